@@ -1,0 +1,6 @@
+"""mlxllama: run GGUF language models on MLX, with chat templates applied explicitly."""
+
+from .errors import MlxLlamaError
+from .runtime import Runtime, load, load_tokenizer
+
+__all__ = ["MlxLlamaError", "Runtime", "load", "load_tokenizer"]

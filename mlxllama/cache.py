@@ -1,0 +1,119 @@
+"""Per-layer key/value cache that grows in fixed steps, so a decode step never copies the whole cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+GROWTH_STEP = 256
+
+
+class KVCache:
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # Number of positions filled; also the RoPE position of the next token.
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
+        new = keys.shape[2]
+        if self.keys is None or self.offset + new > self.keys.shape[2]:
+            self._grow(keys, values, new)
+        self.keys[..., self.offset : self.offset + new, :] = keys
+        self.values[..., self.offset : self.offset + new, :] = values
+        self.offset += new
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, new: int) -> None:
+        batch, heads, _, head_dim = keys.shape
+        capacity = (self.offset + new + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
+        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
+        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None and self.offset:
+            grown_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            grown_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = grown_k, grown_v
+
+    def trim(self, n: int) -> None:
+        """Forget the last n positions (the storage is kept and overwritten later)."""
+        self.offset = max(0, self.offset - n)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+def make_cache(n_layers: int) -> list[KVCache]:
+    return [KVCache() for _ in range(n_layers)]
+
+
+class BatchKVCache:
+    """One layer's keys/values for a batch of sequences of different lengths.
+
+    Row i keeps position p in slot p, just where a single sequence's KVCache keeps it, so each row
+    attends over the same values in the same order as it would alone; the slots past a row's
+    length (zeros, or stale values of a row that left) are hidden by `mask`.
+    """
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.lengths: list[int] = []
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE position of the next token."""
+        return mx.array(self.lengths)
+
+    def mask(self, length: int) -> mx.array:
+        """[batch, 1, length, slots]: a row's new tokens see its cached positions and the new tokens up to themselves."""
+        query_pos = self.offset[:, None] + mx.arange(length)[None, :]
+        key_pos = mx.arange(max(self.lengths) + length)
+        return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return all slots in use."""
+        batch, _, new, _ = keys.shape
+        end = max(self.lengths) + new
+        self._reserve(end)
+        slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
+        self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slots, values, axis=2)
+        self.lengths = [n + new for n in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def add(self, cache: KVCache) -> None:
+        """Append a single sequence's cache as a new last row."""
+        length = cache.offset
+        keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
+        if self.keys is None:
+            self.keys = mx.zeros((0, keys.shape[1], 0, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((0, values.shape[1], 0, values.shape[3]), values.dtype)
+        self._reserve(length)
+        room = self.keys.shape[2] - length
+        pad = [(0, 0), (0, 0), (0, room), (0, 0)]
+        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
+        self.values = mx.concatenate([self.values, mx.pad(values, pad)])
+        self.lengths.append(length)
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every row not listed, so finished sequences cost no more compute."""
+        index = mx.array(rows, mx.int32)
+        self.keys, self.values = self.keys[index], self.values[index]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def _reserve(self, slots: int) -> None:
+        capacity = self.keys.shape[2]
+        if slots <= capacity:
+            return
+        grown = (slots + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
+        pad = [(0, 0), (0, 0), (0, grown - capacity), (0, 0)]
+        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+def make_batch_cache(n_layers: int) -> list[BatchKVCache]:
+    return [BatchKVCache() for _ in range(n_layers)]

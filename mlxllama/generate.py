@@ -1,0 +1,212 @@
+"""The generation loop: prefill the prompt, then one token per step, streaming text as it completes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .cache import KVCache
+from .errors import MlxLlamaError
+from .model import Transformer
+from .sampling import Sampler
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+PREFILL_CHUNK = 512
+
+
+def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.array:
+    """Feed ids into the cache in chunks; return the logits [vocab] after the last one (lazy)."""
+    for start in range(0, len(ids), PREFILL_CHUNK):
+        logits = model(mx.array([ids[start : start + PREFILL_CHUNK]]), cache)
+        if start + PREFILL_CHUNK < len(ids):
+            mx.eval([c.state for c in cache])
+    return logits[0, -1]
+
+
+def generate_tokens(
+    model: Transformer,
+    cache: list[KVCache],
+    new_ids: Sequence[int],
+    sampler: Sampler,
+    max_tokens: int,
+    stop_ids: Iterable[int] = (),
+    history: Sequence[int] = (),
+) -> Iterator[int]:
+    """Feed new_ids on top of what the cache holds, then yield up to max_tokens sampled ids.
+
+    Every yielded id has already been fed into the cache (the next step is queued before the
+    host waits for the current token), so afterwards the cache holds exactly
+    history + new_ids + the yielded ids. A stop id is yielded, then generation ends.
+    """
+    if not new_ids:
+        raise ValueError("generation needs at least one new token to feed")
+    stop_ids = frozenset(stop_ids)
+    context = list(history) + list(new_ids)
+    room = model.config.context_length - cache[0].offset - len(new_ids)
+    if room < 0:
+        raise MlxLlamaError(
+            f"prompt is {cache[0].offset + len(new_ids)} tokens, more than the model's context of "
+            f"{model.config.context_length}"
+        )
+    max_tokens = min(max_tokens, room)
+    if max_tokens <= 0:
+        return
+    token = sampler(prefill(model, new_ids, cache), context)
+    mx.async_eval(token)
+    for n in range(1, max_tokens + 1):
+        next_token = sampler(model(token.reshape(1, 1), cache)[0, -1], context)
+        mx.async_eval(next_token)
+        token_id = token.item()
+        context.append(token_id)
+        yield token_id
+        if token_id in stop_ids or n == max_tokens:
+            # The queued step already fed token_id into the cache; finish it so the cache is whole.
+            mx.eval(next_token)
+            return
+        token = next_token
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string) or "length"
+    prompt_tokens_per_second: float = 0.0
+    generation_tokens_per_second: float = 0.0
+    stop: str | None = field(default=None)  # the stop string that ended generation, if any
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 2),
+            "generation_tokens_per_second": round(self.generation_tokens_per_second, 2),
+        }
+
+
+class TextCollector:
+    """The text of generated ids, piece by piece as it becomes final.
+
+    Generation ends at a stop id or a stop string (`finish` becomes "stop"). Stop strings are
+    matched across token boundaries: text that could still become a stop string is held back,
+    and a matched stop string is never part of the text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
+        self.stop_ids = tokenizer.stop_ids
+        self.stop_strings = [s for s in stop_strings if s]
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.text = ""
+        self.emitted = 0
+        self.finish: str | None = None
+        self.stop: str | None = None  # the stop string that ended generation, if any
+
+    def add(self, token_id: int) -> str:
+        """Take the next generated id; return the text it made final (nothing once finished)."""
+        if token_id in self.stop_ids:
+            self.finish = "stop"
+            return ""
+        self.text += self.detok.add(token_id)
+        stop, cut = self._find_stop()
+        if stop is not None:
+            self.text, self.finish, self.stop = self.text[:cut], "stop", stop
+            return ""
+        return self._emit(len(self.text) - self._held_back())
+
+    def close(self) -> str:
+        """The text not returned yet, once generation has ended."""
+        if self.stop is None:
+            self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        piece, self.emitted = self.text[self.emitted : end], end
+        return piece
+
+    def _find_stop(self) -> tuple[str | None, int]:
+        hits = [(self.text.find(s), s) for s in self.stop_strings if s in self.text]
+        if not hits:
+            return None, len(self.text)
+        cut, s = min(hits)
+        return s, cut
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop_strings:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+class TextStream:
+    """Generate and stream text; iterate for text pieces, then read `.result`.
+
+    Stop strings are handled as `TextCollector` describes.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        cache: list[KVCache],
+        prompt_ids: Sequence[int],
+        sampler: Sampler,
+        max_tokens: int,
+        stop_strings: Sequence[str] = (),
+        new_ids: Sequence[int] | None = None,
+    ):
+        """new_ids: the suffix of prompt_ids not yet in the cache (default: all of prompt_ids)."""
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.prompt_ids = list(prompt_ids)
+        self.new_ids = self.prompt_ids if new_ids is None else list(new_ids)
+        self.sampler, self.max_tokens = sampler, max_tokens
+        self.stop_strings = [s for s in stop_strings if s]
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        history = self.prompt_ids[: len(self.prompt_ids) - len(self.new_ids)]
+        collector = TextCollector(self.tokenizer, self.stop_strings)
+        ids: list[int] = []
+        start = time.perf_counter()
+        first_token_time = None
+        for token_id in generate_tokens(
+            self.model, self.cache, self.new_ids, self.sampler, self.max_tokens, self.tokenizer.stop_ids, history
+        ):
+            if first_token_time is None:
+                first_token_time = time.perf_counter()
+            ids.append(token_id)
+            piece = collector.add(token_id)
+            if piece:
+                yield piece
+            if collector.finish:
+                break
+        tail = collector.close()
+        if tail:
+            yield tail
+        end = time.perf_counter()
+        first = first_token_time or end
+        self.result = GenerationResult(
+            text=collector.text,
+            token_ids=ids,
+            prompt_ids=self.prompt_ids,
+            finish_reason=collector.finish or "length",
+            prompt_tokens_per_second=len(self.new_ids) / max(first - start, 1e-9),
+            generation_tokens_per_second=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
+            stop=collector.stop,
+        )
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return self.result

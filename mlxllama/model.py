@@ -1,0 +1,88 @@
+"""The Llama transformer in MLX.
+
+Module and parameter names mirror GGUF tensor names (`blk.0.attn_q.weight`), so the loader's
+weights load by name and a tensor can be followed from the file to the layer that uses it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import BatchKVCache, KVCache
+from .config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.attn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
+        self.attn_q = nn.Linear(hidden, config.n_heads * head_dim, bias=False)
+        self.attn_k = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=False)
+        self.attn_v = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=False)
+        self.attn_output = nn.Linear(config.n_heads * head_dim, hidden, bias=False)
+        self.ffn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
+        self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
+        self.ffn_up = nn.Linear(hidden, config.ffn_size, bias=False)
+        self.ffn_down = nn.Linear(config.ffn_size, hidden, bias=False)
+
+    def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        c = self.config
+        batch, length, _ = x.shape
+        q = self.attn_q(x).reshape(batch, length, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = self.attn_k(x).reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = self.attn_v(x).reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        # A BatchKVCache's offset is an array: one position per row.
+        position = cache.offset if cache is not None else 0
+        rope = dict(traditional=c.rope_traditional, base=c.rope_base, scale=c.rope_scale, offset=position)
+        q = mx.fast.rope(q, c.rope_dim, **rope)
+        k = mx.fast.rope(k, c.rope_dim, **rope)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        # The fused kernel handles grouped-query attention (fewer KV heads) itself.
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=c.head_dim**-0.5, mask=mask)
+        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        h = x + self.attention(self.attn_norm(x), mask, cache)
+        gated = self.ffn_norm(h)
+        return h + self.ffn_down(nn.silu(self.ffn_gate(gated)) * self.ffn_up(gated))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype = mx.float32):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blk = [Block(config) for _ in range(config.n_layers)]
+        self.output_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_eps)
+        if not config.tied_output:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
+        """tokens [batch, length] -> logits [batch, length, vocab] (float32).
+
+        With a BatchKVCache every row continues from its own length (its own positions and mask).
+        """
+        h = self.token_embd(tokens).astype(self.compute_dtype)
+        if cache and isinstance(cache[0], BatchKVCache):
+            mask = cache[0].mask(tokens.shape[1])
+        else:
+            mask = causal_mask(tokens.shape[1], cache[0].offset if cache else 0)
+        for i, block in enumerate(self.blk):
+            h = block(h, mask, cache[i] if cache else None)
+        h = self.output_norm(h)
+        logits = self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)
+        return logits.astype(mx.float32)
+
+
+def causal_mask(length: int, offset: int):
+    """Each new token sees every cached position and the new tokens up to itself."""
+    if length == 1:
+        return None
+    query_pos = mx.arange(offset, offset + length)[:, None]
+    key_pos = mx.arange(offset + length)[None, :]
+    return key_pos <= query_pos

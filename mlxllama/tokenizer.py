@@ -1,0 +1,492 @@
+"""SentencePiece ("llama" SPM) tokenizer built from GGUF metadata, tokenizing like llama.cpp.
+
+The raw-text segmentation is done by the ``sentencepiece`` library with a model that is
+assembled in memory from the GGUF vocabulary (a hand-serialized ``ModelProto``; no protobuf
+dependency).  Everything around it follows llama.cpp's ``llama-vocab.cpp`` rather than
+sentencepiece's own conventions:
+
+* special tokens are split out of the text first (``tokenizer_st_partition``): every CONTROL,
+  USER_DEFINED or UNKNOWN token, longest first; with ``special=False`` only USER_DEFINED ones;
+* a space is prepended (``add_space_prefix``) to a text fragment that starts the input or follows
+  a special token, and to no other fragment;
+* llama.cpp's merge loop looks pieces up by text whatever their type, so every piece except the
+  byte pieces is given to sentencepiece as NORMAL (sentencepiece would otherwise keep
+  CONTROL/UNKNOWN pieces out of merges, resegment UNUSED ones and force USER_DEFINED ones);
+* decoding renders pieces the way ``llama_token_to_piece(..., special=false)`` does.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import sentencepiece
+
+from mlxllama.errors import MlxLlamaError
+
+__all__ = ["Tokenizer", "StreamingDetokenizer"]
+
+# tokenizer.ggml.token_type values (llama_token_type)
+TYPE_UNDEFINED = 0
+TYPE_NORMAL = 1
+TYPE_UNKNOWN = 2
+TYPE_CONTROL = 3
+TYPE_USER_DEFINED = 4
+TYPE_UNUSED = 5
+TYPE_BYTE = 6
+
+# llama_token_attr bit flags: llama.cpp turns the type into flags and then adds some by token text
+ATTR_UNDEFINED = 0
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+ATTR_LSTRIP = 1 << 7
+ATTR_RSTRIP = 1 << 8
+
+_TYPE_TO_ATTR = {
+    TYPE_UNDEFINED: ATTR_UNDEFINED,
+    TYPE_NORMAL: ATTR_NORMAL,
+    TYPE_UNKNOWN: ATTR_UNKNOWN,
+    TYPE_CONTROL: ATTR_CONTROL,
+    TYPE_USER_DEFINED: ATTR_USER_DEFINED,
+    TYPE_UNUSED: ATTR_UNUSED,
+    TYPE_BYTE: ATTR_BYTE,
+}
+
+# Texts llama.cpp treats as end-of-generation; it also forces them to CONTROL
+# (llama_vocab::impl::load, "special_eog_ids").
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# Texts llama.cpp auto-detects as the EOT token when the metadata names none.
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)
+# Texts that llama.cpp auto-detects as FIM tokens (and forces to CONTROL) when the metadata
+# does not name that FIM token.  key suffixes: the current name first, then the deprecated one.
+_FIM_TEXTS = (
+    (("fim_pre_token_id", "prefix_token_id"),
+     ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+      "<|code_prefix|>", "<|prefix|>")),
+    (("fim_suf_token_id", "suffix_token_id"),
+     ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+      "<|code_suffix|>", "<|suffix|>")),
+    (("fim_mid_token_id", "middle_token_id"),
+     ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+      "<|code_middle|>", "<|middle|>")),
+    (("fim_pad_token_id",), ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")),
+    (("fim_rep_token_id",), ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+    (("fim_sep_token_id",), ("<|file_sep|>",)),
+)
+_FIM_EOG = ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
+
+_SPACE = "\u2581"  # ▁, SentencePiece's whitespace symbol
+_CSPACE = " \t\n\v\f\r"  # C isspace(), used by llama.cpp's lstrip/rstrip of special tokens
+_KEY = "tokenizer.ggml."
+
+
+# --------------------------------------------------------------------------------------------
+# protobuf wire format, just enough to serialize a sentencepiece ModelProto
+# (field numbers from sentencepiece_model.proto)
+# --------------------------------------------------------------------------------------------
+
+def _varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL_VARINTS[n]
+    if n < 0:
+        n += 1 << 64  # int32/int64 negatives are 10-byte two's complement varints
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
+
+
+def _field_varint(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(int(value))
+
+
+def _field_bytes(field: int, payload: bytes) -> bytes:
+    return _varint((field << 3) | 2) + _varint(len(payload)) + payload
+
+
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_BYTE = 1, 2, 3, 6
+_BPE = 2
+
+
+def _piece_message(text: bytes, score_f32: bytes, sp_type: int) -> bytes:
+    # SentencePiece { string piece = 1; float score = 2; Type type = 3; }
+    body = _field_bytes(1, text) + b"\x15" + score_f32 + _field_varint(3, sp_type)
+    return _field_bytes(1, body)  # ModelProto.pieces = 1
+
+
+def _model_proto(pieces: list[bytes], *, byte_fallback: bool, unk_id: int) -> bytes:
+    trainer = b"".join([
+        _field_varint(3, _BPE),                # model_type
+        _field_varint(4, unk_id + 1),          # vocab_size
+        _field_varint(35, byte_fallback),      # byte_fallback
+        _field_varint(40, unk_id),             # unk_id
+        _field_varint(41, -1),                 # bos_id: BOS/EOS are handled here, not by sp
+        _field_varint(42, -1),                 # eos_id
+        _field_varint(43, -1),                 # pad_id
+    ])
+    normalizer = b"".join([
+        _field_bytes(1, b"identity"),          # name: no NFKC, no charsmap
+        _field_varint(3, False),               # add_dummy_prefix: done per fragment, below
+        _field_varint(4, False),               # remove_extra_whitespaces
+        _field_varint(5, True),                # escape_whitespaces: " " -> "▁"
+    ])
+    return b"".join(pieces) + _field_bytes(2, trainer) + _field_bytes(3, normalizer)
+
+
+# --------------------------------------------------------------------------------------------
+
+def _get(metadata: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    return metadata.get(_KEY + name, default)
+
+
+def _opt_id(metadata: Mapping[str, Any], name: str, default: int | None, n_vocab: int) -> int | None:
+    """A special token id as llama.cpp resolves it: metadata if in range, else the default."""
+    if default is not None and not 0 <= default < n_vocab:
+        default = None
+    value = _get(metadata, name)
+    if value is None:
+        return default
+    value = int(value)
+    return value if 0 <= value < n_vocab else default
+
+
+def _byte_of_piece(text: str) -> int | None:
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return int(text[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
+class Tokenizer:
+    """A llama.cpp-compatible tokenizer for ``tokenizer.ggml.model == "llama"`` vocabularies."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    stop_ids: frozenset[int]
+
+    def __init__(self) -> None:  # use from_metadata()
+        raise TypeError("use Tokenizer.from_metadata(metadata)")
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+        model = _get(metadata, "model")
+        if model is None:
+            raise MlxLlamaError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "llama":
+            raise MlxLlamaError(
+                f"unsupported tokenizer model {model!r}: only SentencePiece ('llama') vocabularies are supported")
+        raw_tokens = _get(metadata, "tokens")
+        if raw_tokens is None or len(raw_tokens) == 0:
+            raise MlxLlamaError("GGUF metadata has no vocabulary (tokenizer.ggml.tokens is missing)")
+        self = object.__new__(cls)
+        self._build(metadata, [str(t) for t in raw_tokens])
+        return self
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _build(self, metadata: Mapping[str, Any], raw_tokens: list[str]) -> None:
+        n = len(raw_tokens)
+        self.vocab_size = n
+        self._raw = raw_tokens
+
+        scores = _get(metadata, "scores")
+        if scores is None:
+            scores = np.zeros(n, dtype=np.float32)
+        scores = np.asarray(scores).astype(np.float32, copy=False)
+        types = _get(metadata, "token_type")
+        if types is None:
+            types = np.full(n, TYPE_NORMAL, dtype=np.int32)
+        types = np.asarray(types).astype(np.int64, copy=False)
+        if len(scores) < n or len(types) < n:
+            raise MlxLlamaError("GGUF metadata: tokenizer.ggml.scores/token_type are shorter than the vocabulary")
+
+        # token text as llama.cpp keeps it: C string (cut at NUL), "[EMPTY_i]" for empty ones
+        texts: list[str] = []
+        token_to_id: dict[str, int] = {}
+        for i, t in enumerate(raw_tokens):
+            t = t.split("\0", 1)[0]
+            if not t:
+                t = f"[EMPTY_{i}]"
+            if t in token_to_id:
+                raise MlxLlamaError(
+                    f"GGUF vocabulary has a duplicate token {t!r} (ids {token_to_id[t]} and {i})")
+            token_to_id[t] = i
+            texts.append(t)
+        self._texts = texts
+        self._token_to_id = token_to_id
+
+        attrs = [_TYPE_TO_ATTR.get(int(x), ATTR_UNDEFINED) for x in types[:n]]
+
+        self.bos_id = _opt_id(metadata, "bos_token_id", 1, n)
+        self.eos_id = _opt_id(metadata, "eos_token_id", 2, n)
+        self.unk_id = _opt_id(metadata, "unknown_token_id", 0, n)
+        self.pad_id = _opt_id(metadata, "padding_token_id", None, n)
+        self.eot_id = _opt_id(metadata, "eot_token_id", None, n)
+        self.eom_id = _opt_id(metadata, "eom_token_id", None, n)
+        self.add_bos = bool(_get(metadata, "add_bos_token", True))
+        self.add_eos = bool(_get(metadata, "add_eos_token", False))
+        self.add_space_prefix = bool(_get(metadata, "add_space_prefix", True))
+        if self.add_bos and self.bos_id is None:
+            raise MlxLlamaError("tokenizer.ggml.add_bos_token is true, but the BOS token id is not valid")
+        if self.add_eos and self.eos_id is None:
+            raise MlxLlamaError("tokenizer.ggml.add_eos_token is true, but the EOS token id is not valid")
+
+        # llama.cpp's text-based fix-ups: FIM and end-of-generation tokens become CONTROL
+        fim_ids: dict[str, int | None] = {}
+        for keys, candidates in _FIM_TEXTS:
+            found = None
+            for key in keys:
+                found = _opt_id(metadata, key, None, n)
+                if found is not None:
+                    break
+            if found is None:
+                hits = [token_to_id[c] for c in candidates if c in token_to_id]
+                if hits:
+                    found = min(hits)
+                    attrs[found] |= ATTR_CONTROL
+            fim_ids[keys[0]] = found
+        if self.eot_id is None:
+            hits = [token_to_id[t] for t in _EOT_TEXTS if t in token_to_id]
+            if hits:
+                self.eot_id = min(hits)
+        if self.eom_id is None and "<|eom_id|>" in token_to_id:
+            self.eom_id = token_to_id["<|eom_id|>"]
+        eog = {token_to_id[t] for t in _EOG_TEXTS if t in token_to_id}
+        eog.update(fim_ids[k] for k in _FIM_EOG if fim_ids[k] is not None)
+        for tid in eog:  # (text-detected EOT/EOM ids are EOG texts too)
+            attrs[tid] |= ATTR_CONTROL
+        eog.update(t for t in (self.eos_id, self.eot_id, self.eom_id) if t is not None)
+        self.stop_ids = frozenset(eog)
+
+        # special-token cache (CONTROL | USER_DEFINED | UNKNOWN), longest UTF-8 text first
+        special = [i for i in range(n) if attrs[i] & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)]
+        special.sort(key=lambda i: (-len(texts[i].encode("utf-8")), i))
+
+        # per-model attributes (llama.cpp: Phi-3 special tokens eat the whitespace after them)
+        name = str(metadata.get("general.name", "")).lower()
+        if "phi-3" in name or "phi3" in name:
+            for i in special:
+                attrs[i] |= ATTR_RSTRIP
+            if "</s>" in token_to_id:
+                attrs[token_to_id["</s>"]] |= ATTR_RSTRIP
+            for t in ("<unk>", "<s>", "<|endoftext|>"):
+                if t in token_to_id:
+                    attrs[token_to_id[t]] &= ~ATTR_RSTRIP
+        self._attrs = attrs
+        self._special_all = [(texts[i], i, attrs[i]) for i in special]
+        self._special_user = [s for s in self._special_all if not s[2] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+
+        # decode table: what llama_token_to_piece(id, special=false) renders
+        pieces: list[bytes] = []
+        for i in range(n):
+            a = attrs[i]
+            if a & (ATTR_CONTROL | ATTR_UNKNOWN):
+                pieces.append(b"")
+            elif a & ATTR_USER_DEFINED:
+                pieces.append(texts[i].encode("utf-8"))
+            elif a & ATTR_NORMAL:
+                pieces.append(texts[i].replace(_SPACE, " ").encode("utf-8"))
+            elif a & ATTR_BYTE:
+                b = _byte_of_piece(texts[i])
+                pieces.append(bytes([b]) if b is not None else b"")
+            else:  # UNUSED, UNDEFINED
+                pieces.append(b"")
+        self._pieces = pieces
+
+        self._build_sentencepiece(scores[:n], types[:n])
+
+    def _build_sentencepiece(self, scores: np.ndarray, types: np.ndarray) -> None:
+        n = self.vocab_size
+        texts = self._texts
+        byte_ids = {}
+        for i in range(n):
+            if types[i] == TYPE_BYTE:
+                b = _byte_of_piece(texts[i])
+                # sentencepiece accepts only the exact "<0x0A>" spelling as a byte piece
+                if b is not None and texts[i] == f"<0x{b:02X}>":
+                    byte_ids[b] = i
+        byte_fallback = len(byte_ids) == 256
+        byte_piece_ids = set(byte_ids.values()) if byte_fallback else set()
+        self._byte_fallback = byte_fallback
+
+        score_bytes = scores.astype("<f4").tobytes()
+        parts = []
+        for i in range(n):
+            data = texts[i].encode("utf-8")
+            sp_type = _SP_BYTE if i in byte_piece_ids else _SP_NORMAL
+            if len(data) >= 8000:  # sentencepiece's limit; such a piece can't be produced anyway
+                data, sp_type = f"\uf8ff<mlxllama-long-{i}>\uf8ff".encode(), _SP_CONTROL
+            parts.append(_piece_message(data, score_bytes[4 * i:4 * i + 4], sp_type))
+        # sentencepiece needs exactly one UNKNOWN piece: a synthetic, unreachable one at the end
+        # (llama.cpp lets <unk> and other UNKNOWN-typed tokens merge like normal pieces).
+        unk_text = "\uf8ff<mlxllama-unk>\uf8ff"
+        while unk_text in self._token_to_id:
+            unk_text += "\uf8ff"
+        parts.append(_piece_message(unk_text.encode(), struct.pack("<f", 0.0), _SP_UNKNOWN))
+        self._sp_unk = n
+        proto = _model_proto(parts, byte_fallback=byte_fallback, unk_id=n)
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError
+            raise MlxLlamaError(f"could not build the SentencePiece tokenizer: {e}") from None
+        self._sp = sp
+
+    # ---- encoding ---------------------------------------------------------------------------
+
+    def _partition(self, text: str, special: bool) -> list[str | int]:
+        """llama.cpp's tokenizer_st_partition: split text on special tokens, longest first."""
+        fragments: list[str | int] = [text]
+        for tok_text, tid, attr in (self._special_all if special else self._special_user):
+            if tok_text not in text:
+                continue
+            new: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or tok_text not in frag:
+                    new.append(frag)
+                    continue
+                parts = frag.split(tok_text)
+                last = len(parts) - 1
+                for k, part in enumerate(parts):
+                    if k > 0 and attr & ATTR_RSTRIP:
+                        part = part.lstrip(_CSPACE)
+                    if k < last and attr & ATTR_LSTRIP:
+                        part = part.rstrip(_CSPACE)
+                    if part:
+                        new.append(part)
+                    if k < last:
+                        new.append(tid)
+            fragments = new
+        return fragments
+
+    def _encode_fragment(self, text: str) -> list[int]:
+        ids = self._sp.encode(text)
+        if not self._byte_fallback and self._sp_unk in ids:
+            unk = self.unk_id if self.unk_id is not None else 0
+            ids = [unk if t == self._sp_unk else t for t in ids]
+        return ids
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids for ``text``, as ``llama_tokenize(text, add_special=add_bos, parse_special=special)``.
+
+        BOS is prepended only when ``add_bos`` and the vocabulary's add_bos flag are both set (and
+        EOS appended when ``add_bos`` and the vocabulary's add_eos flag are set, as llama.cpp does).
+        """
+        out: list[int] = []
+        add_special = add_bos
+        if add_special and self.add_bos:
+            out.append(self.bos_id)  # type: ignore[arg-type]
+        if text:
+            prev_special = True  # the first fragment gets the space prefix too
+            for frag in self._partition(text, special):
+                if isinstance(frag, int):
+                    out.append(frag)
+                    prev_special = True
+                else:
+                    if self.add_space_prefix and prev_special:
+                        frag = " " + frag
+                    out.extend(self._encode_fragment(frag))
+                    prev_special = False
+        if add_special and self.add_eos:
+            out.append(self.eos_id)  # type: ignore[arg-type]
+        return out
+
+    # ---- decoding ---------------------------------------------------------------------------
+
+    def _check_id(self, id: int) -> int:
+        id = int(id)
+        if not 0 <= id < self.vocab_size:
+            raise ValueError(f"token id {id} is out of range (vocabulary size {self.vocab_size})")
+        return id
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes token ``id`` renders as in decoded text (b"" for control tokens)."""
+        return self._pieces[self._check_id(id)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [self._check_id(i) for i in ids]
+        if not ids:
+            return ""
+        pieces = self._pieces
+        chunks = [pieces[i] for i in ids]
+        # llama.cpp drops the space that add_space_prefix put in front of the text after BOS
+        if len(ids) > 1 and ids[0] == self.bos_id and self.add_space_prefix and chunks[1].startswith(b" "):
+            chunks[1] = chunks[1][1:]
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def id_to_piece(self, id: int) -> str:
+        """The raw vocabulary string of token ``id`` (e.g. "▁Hello", "<0x0A>", "</s>")."""
+        return self._raw[self._check_id(id)]
+
+    def special_token_text(self, id: int | None) -> str:
+        """The text of a special token, e.g. "</s>" (for templates' bos_token/eos_token); "" for None."""
+        if id is None:
+            return ""
+        return self._raw[self._check_id(id)]
+
+    def is_control(self, id: int) -> bool:
+        return bool(self._attrs[self._check_id(id)] & ATTR_CONTROL)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
+                f"add_bos={self.add_bos}, add_space_prefix={self.add_space_prefix})")
+
+
+class StreamingDetokenizer:
+    """Incremental ``Tokenizer.decode``: ``"".join(add(i) for i in ids) + flush() == decode(ids)``.
+
+    Bytes of a UTF-8 character split over several (byte-fallback) tokens are held back until the
+    character is complete; O(1) work per token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._count = 0
+        self._strip_next = False
+
+    def add(self, id: int) -> str:
+        tok = self._tok
+        data = tok.token_bytes(id)
+        self._count += 1
+        if self._count == 1:
+            self._strip_next = id == tok.bos_id and tok.add_space_prefix
+        elif self._strip_next:
+            self._strip_next = False
+            if data.startswith(b" "):
+                data = data[1:]
+        return self._decoder.decode(data)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,82 @@
+"""Record llama.cpp's logits and greedy continuations for the test fixtures.
+
+Run with a Python that has llama-cpp-python (and numpy, gguf) installed:
+
+    python scripts/make_llama_reference.py ../shared/fixtures/models/*.gguf
+
+For each model it writes tests/reference/llama_cpp/<model>.npz holding, per prompt, the token ids
+llama.cpp tokenized (BOS added, special tokens parsed), the top-K logits at every position with
+their token ids, the log-sum-exp over the whole vocabulary, and llama.cpp's greedy continuation.
+Storing the top K (and the log-sum-exp) instead of every logit keeps the files small while still
+giving the exact argmax and a KL divergence whose only approximation is to lump the tail of the
+reference distribution (well under 1e-6 of the mass here) into one bucket.
+"""
+
+import sys
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+# Zephyr-style rendering (chat-tiny's and types-tiny's own template) of the fixtures README's questions.
+PROMPTS = {
+    "japan": "<|user|>\nWhat is the capital of Japan?</s>\n<|assistant|>\n",
+    "sum": "<|user|>\nWhat is 17 plus 25?</s>\n<|assistant|>\n",
+    "italy": "The capital of Italy is",
+}
+TOP_K = 512
+GREEDY_TOKENS = 16
+OUT = Path(__file__).resolve().parents[1] / "tests" / "reference" / "llama_cpp"
+
+# llama.cpp's extra buffer types crash on this machine's CPU (AMX in a VM): switch them off.
+_default_params = llama_cpp.llama_model_default_params
+
+
+def _params_without_extra_bufts():
+    params = _default_params()
+    params.use_extra_bufts = False
+    return params
+
+
+llama_cpp.llama_model_default_params = _params_without_extra_bufts
+llama_cpp.llama_cpp.llama_model_default_params = _params_without_extra_bufts
+
+
+def reference(path: Path) -> dict:
+    llm = llama_cpp.Llama(str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False, seed=0)
+    eos = llm.token_eos()
+    record = {}
+    for name, text in PROMPTS.items():
+        ids = llm.tokenize(text.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(ids)
+        logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        top = np.argsort(-logits, axis=1, kind="stable")[:, :TOP_K]
+        peak = logits.max(axis=1, keepdims=True)
+        lse = (np.log(np.exp(logits - peak).sum(axis=1, keepdims=True)) + peak)[:, 0]
+        greedy = []
+        next_id = int(np.argmax(logits[-1]))
+        while len(greedy) < GREEDY_TOKENS:
+            greedy.append(next_id)
+            if next_id == eos:
+                break
+            llm.eval([next_id])
+            next_id = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        record[f"{name}/ids"] = np.array(ids, np.int32)
+        record[f"{name}/top_ids"] = top.astype(np.int32)
+        record[f"{name}/top_logits"] = np.take_along_axis(logits, top, axis=1)
+        record[f"{name}/logsumexp"] = lse.astype(np.float32)
+        record[f"{name}/greedy"] = np.array(greedy, np.int32)
+    return record
+
+
+def main(paths):
+    OUT.mkdir(parents=True, exist_ok=True)
+    for path in map(Path, paths):
+        record = reference(path)
+        np.savez_compressed(OUT / f"{path.stem}.npz", **record)
+        print(path.stem, {k: record[k].tolist() for k in record if k.endswith("greedy")})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
