@@ -6,7 +6,8 @@ Run with a Python that has llama-cpp-python (and numpy, gguf) installed:
 
 For each model it writes tests/reference/llama_cpp/<model>.npz holding, per prompt, the token ids
 llama.cpp tokenized (BOS added, special tokens parsed), the top-K logits at every position with
-their token ids, the log-sum-exp over the whole vocabulary, and llama.cpp's greedy continuation.
+their token ids, the log-sum-exp over the whole vocabulary, and llama.cpp's greedy continuation
+with the margin between its top two logits at each step.
 Storing the top K (and the log-sum-exp) instead of every logit keeps the files small while still
 giving the exact argmax and a KL divergence whose only approximation is to lump the tail of the
 reference distribution (well under 1e-6 of the mass here) into one bucket.
@@ -54,19 +55,22 @@ def reference(path: Path) -> dict:
         top = np.argsort(-logits, axis=1, kind="stable")[:, :TOP_K]
         peak = logits.max(axis=1, keepdims=True)
         lse = (np.log(np.exp(logits - peak).sum(axis=1, keepdims=True)) + peak)[:, 0]
-        greedy = []
-        next_id = int(np.argmax(logits[-1]))
+        greedy, margins = [], []
+        step_logits = logits[-1]
         while len(greedy) < GREEDY_TOKENS:
-            greedy.append(next_id)
-            if next_id == eos:
+            first, second = np.sort(step_logits)[-2:][::-1]
+            greedy.append(int(np.argmax(step_logits)))
+            margins.append(first - second)
+            if greedy[-1] == eos:
                 break
-            llm.eval([next_id])
-            next_id = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([greedy[-1]])
+            step_logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
         record[f"{name}/ids"] = np.array(ids, np.int32)
         record[f"{name}/top_ids"] = top.astype(np.int32)
         record[f"{name}/top_logits"] = np.take_along_axis(logits, top, axis=1)
         record[f"{name}/logsumexp"] = lse.astype(np.float32)
         record[f"{name}/greedy"] = np.array(greedy, np.int32)
+        record[f"{name}/greedy_margin"] = np.array(margins, np.float32)
     return record
 
 

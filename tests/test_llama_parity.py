@@ -1,0 +1,106 @@
+"""Logits and greedy continuations against llama.cpp on the same files and the same token ids.
+
+The references (tests/reference/llama_cpp/*.npz) were recorded from llama.cpp by
+scripts/make_llama_reference.py; see its docstring for what they hold. Models come from
+tests/fixtures or mlxllama/data when copied into the repo, else from ../shared/fixtures/models.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxllama
+
+from conftest import find_fixture_model
+
+REFERENCE_DIR = Path(__file__).parent / "reference" / "llama_cpp"
+REFERENCES = sorted(p.stem for p in REFERENCE_DIR.glob("*.npz"))
+PROMPTS = ("japan", "sum", "italy")
+PROMPT_TEXT = {
+    "japan": "<|user|>\nWhat is the capital of Japan?</s>\n<|assistant|>\n",
+    "sum": "<|user|>\nWhat is 17 plus 25?</s>\n<|assistant|>\n",
+    "italy": "The capital of Italy is",
+}
+# Mean KL(llama.cpp || ours) per position: the issue's bar. Measured: 2e-7 on the F16 file,
+# at most 1.6e-4 on the quantized ones.
+MAX_MEAN_KL = 1e-3
+# llama.cpp's CPU path rounds activations to 8 bits (Q8_0 / Q8_K blocks) before quantized dot
+# products and keeps an F16 KV cache; we compute in float32. That moves logits by up to a few
+# hundredths, so where llama.cpp's own top two are closer than this the argmax is a coin toss.
+# (Emulating its 8-bit activation rounding removed every such flip on the Q8_0 and Q6_K files and
+# cut their KL sevenfold; every flip seen had a margin below 0.04.)
+NEAR_TIE = 0.05
+
+
+@lru_cache(maxsize=2)
+def model(name: str):
+    return mlxllama.load(find_fixture_model(f"{name}.gguf"))
+
+
+def reference(name: str) -> dict:
+    with np.load(REFERENCE_DIR / f"{name}.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def kl_per_position(ref: dict, prompt: str, ours: np.ndarray) -> np.ndarray:
+    """KL(llama.cpp || ours), the reference's tail beyond its stored top-K lumped into one bucket."""
+    top_ids = ref[f"{prompt}/top_ids"]
+    ref_logp = ref[f"{prompt}/top_logits"].astype(np.float64) - ref[f"{prompt}/logsumexp"][:, None]
+    our_logp = np.take_along_axis(log_softmax(ours.astype(np.float64)), top_ids, axis=1)
+    ref_p = np.exp(ref_logp)
+    kl = (ref_p * (ref_logp - our_logp)).sum(axis=1)
+    ref_tail = np.clip(1.0 - ref_p.sum(axis=1), 1e-300, None)
+    our_tail = np.clip(1.0 - np.exp(our_logp).sum(axis=1), 1e-300, None)
+    return kl + ref_tail * (np.log(ref_tail) - np.log(our_tail))
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_logits_match_llama_cpp(name):
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        ids = ref[f"{prompt}/ids"].tolist()
+        ours = m.logits(ids)
+        assert ours.shape == (len(ids), m.config.vocab_size)
+        top_logits = ref[f"{prompt}/top_logits"]
+        decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
+        assert decided.mean() > 0.75, f"{name} {prompt}: too few positions with a clear winner to compare"
+        np.testing.assert_array_equal(
+            ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0], err_msg=f"{name} {prompt}"
+        )
+        kl = kl_per_position(ref, prompt, ours)
+        assert kl.mean() < MAX_MEAN_KL, f"{name} {prompt}: mean KL {kl.mean():.2e}, max {kl.max():.2e}"
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_tokenization_matches_llama_cpp(name):
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        assert m.tokenize(PROMPT_TEXT[prompt], special=True) == ref[f"{prompt}/ids"].tolist()
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_greedy_continuation_matches_llama_cpp(name):
+    """The same ids up to llama.cpp's first near-tie (the chat answers have none)."""
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        expected = ref[f"{prompt}/greedy"].tolist()
+        near_ties = np.nonzero(ref[f"{prompt}/greedy_margin"] < NEAR_TIE)[0]
+        if prompt != "italy":
+            assert near_ties.size == 0, f"{name} {prompt}: the reference answer has a near-tie"
+        compared = int(near_ties[0]) if near_ties.size else len(expected)
+        result = m.generate(ref[f"{prompt}/ids"].tolist(), max_tokens=len(expected))
+        assert result.token_ids[:compared] == expected[:compared], f"{name} {prompt}"
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_italy_continues_with_rome(name):
+    m = model(name)
+    result = m.generate("The capital of Italy is", max_tokens=4)
+    assert result.text.startswith(" Rome."), result.text
