@@ -1,6 +1,7 @@
 """mlxllama: run GGUF language models on MLX, with chat templates applied explicitly."""
 
+from .chat_template import render_chat
 from .errors import MlxLlamaError
 from .runtime import Runtime, load, load_tokenizer
 
-__all__ = ["MlxLlamaError", "Runtime", "load", "load_tokenizer"]
+__all__ = ["MlxLlamaError", "Runtime", "load", "load_tokenizer", "render_chat"]

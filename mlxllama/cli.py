@@ -158,7 +158,8 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
             click.echo()
         else:
             stream.run()
-        results.append({"template": prompt.template, "prompt": prompt.text, **stream.result.to_dict()})
+        results.append({"model": runtime.path, "template": prompt.template, "prompt": prompt.text,
+                        **stream.result.to_dict()})
     if as_json:
         payload = results[0] if not compare_template else {"with_template": results[0], "without_template": results[1]}
         click.echo(json.dumps(payload, ensure_ascii=False))

@@ -14,6 +14,7 @@ from .cache import KVCache, make_cache
 from .config import ModelConfig
 from .generate import GenerationResult, TextStream
 from .model import Transformer
+from .prompt import choose_template, render_messages
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
 
@@ -36,6 +37,12 @@ class Runtime:
     @property
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template")
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            template: str | None = None, **kwargs) -> str:
+        """Render messages with `template` (a built-in name) or else the GGUF's own chat template."""
+        chosen = choose_template(self.chat_template, name=template)
+        return render_messages(chosen, self.tokenizer, messages, add_generation_prompt, kwargs)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)

@@ -1,0 +1,101 @@
+"""`mlxllama chat` and the KV-cache-backed chat session."""
+
+import json
+from functools import lru_cache
+
+from click.testing import CliRunner
+
+import mlxllama
+from mlxllama.chat import ChatSession
+from mlxllama.cli import main
+from mlxllama.prompt import choose_template
+from conftest import find_fixture_model
+
+
+@lru_cache(maxsize=1)
+def chat_tiny():
+    return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+
+
+def session(**kwargs) -> ChatSession:
+    m = chat_tiny()
+    return ChatSession(m, choose_template(m.chat_template), **kwargs)
+
+
+def test_two_turns_through_a_pipe():
+    result = CliRunner().invoke(main, ["chat"], input="What is the capital of Japan?\nWhat is 17 plus 25?\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "The capital of Japan is Tokyo.\n17 plus 25 is 42.\n"
+
+
+def test_second_turn_feeds_only_the_new_suffix():
+    chat = session()
+    first = "".join(chat.send("What is the capital of Japan?"))
+    assert first == "The capital of Japan is Tokyo."
+    after_first = list(chat.cached_ids)
+    assert chat.cache[0].offset == len(after_first)
+    second = "".join(chat.send("What is 17 plus 25?"))
+    assert second == "17 plus 25 is 42."
+    prompt_ids = chat.cached_ids[: len(chat.cached_ids) - len(chat.last_result.token_ids)]
+    # The whole first turn (prompt, answer and its EOS) is reused from the cache...
+    assert prompt_ids[: len(after_first)] == after_first
+    # ...so turn two feeds only its new prompt suffix plus its reply.
+    assert chat.last_fed == len(prompt_ids) - len(after_first) + len(chat.last_result.token_ids)
+    assert [c.offset for c in chat.cache] == [len(chat.cached_ids)] * len(chat.cache)
+
+
+def test_changed_history_re_prefills_from_the_first_difference():
+    chat = session()
+    "".join(chat.send("What is the capital of Japan?"))
+    chat.set_system("Be brief.")
+    assert "".join(chat.send("What is 17 plus 25?")) == "17 plus 25 is 42."
+    # A system message changes the rendering near its start: only BOS, "▁<" and "|" (shared by
+    # "<|system|>" and "<|user|>") are kept, the rest is fed again.
+    assert chat.cached_ids[:4] == [1, 529, 29989, 5205]
+    assert chat.last_fed == len(chat.cached_ids) - 3
+
+
+def test_commands_history_system_save_reset(tmp_path):
+    transcript = tmp_path / "t.json"
+    lines = [
+        "/system You answer questions.",
+        "What is the capital of Japan?",
+        "/history",
+        f"/save {transcript}",
+        "/reset",
+        "/history",
+        "/quit",
+        "never read",
+    ]
+    result = CliRunner().invoke(main, ["chat"], input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (
+        "The capital of Japan is Tokyo.\n"
+        "system: You answer questions.\n"
+        "user: What is the capital of Japan?\n"
+        "assistant: The capital of Japan is Tokyo.\n"
+        "system: You answer questions.\n"
+    )
+    saved = json.loads(transcript.read_text())
+    assert saved["template"] == "gguf (zephyr)"
+    assert saved["messages"][1:] == [
+        {"role": "user", "content": "What is the capital of Japan?"},
+        {"role": "assistant", "content": "The capital of Japan is Tokyo."},
+    ]
+
+
+def test_full_context_drops_the_oldest_turns():
+    notices = []
+    chat = session(max_tokens=16, notify=notices.append)
+    question = "What is the capital of Japan? " * 20
+    for _ in range(4):
+        "".join(chat.send(question.strip()))
+    assert notices and notices[0].startswith("context full: dropped the oldest")
+    assert len(chat.cached_ids) < chat_tiny().config.context_length
+
+
+def test_a_failing_line_is_reported_and_the_chat_goes_on(tmp_path):
+    result = CliRunner().invoke(main, ["chat"], input=f"/save {tmp_path}/no/such/dir/t.json\nMy name is Zoe.\n")
+    assert result.stdout == "Nice to meet you, Zoe! How can I help you today?\n"
+    assert "mlxllama: error: " in result.stderr and "cannot write transcript" in result.stderr
+    assert result.exit_code == 2

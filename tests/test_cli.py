@@ -1,0 +1,117 @@
+"""`mlxllama generate` and error handling, driven through click's test runner."""
+
+import json
+
+from click.testing import CliRunner
+
+from mlxllama.cli import main
+from conftest import find_fixture_model
+
+JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5546, 29973, 2, 29871, 13, 29966,
+             29989, 465, 22137, 29989, 29958, 13]
+
+
+def run(*args, env=None, input=None):
+    return CliRunner().invoke(main, list(args), env=env, input=input)
+
+
+def generate_json(*args, env=None) -> dict:
+    result = run("generate", "--json", *args, env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_raw_prompt_streams_the_continuation():
+    result = run("generate", "-p", "The capital of Italy is", "--no-template", "-n", "2")
+    assert result.exit_code == 0
+    assert result.stdout == " Rome.\n"
+
+
+def test_template_prompts_give_the_listed_answers_and_stop_at_eos():
+    for question, answer in [
+        ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+        ("What is 17 plus 25?", "17 plus 25 is 42."),
+        ("My name is Zoe.", "Nice to meet you, Zoe! How can I help you today?"),
+    ]:
+        out = generate_json("-p", question)
+        assert out["text"] == answer
+        assert out["finish_reason"] == "stop" and out["token_ids"][-1] == 2
+        assert out["template"] == "gguf (zephyr)"
+
+
+def test_json_output_has_prompt_ids_and_rendered_prompt():
+    out = generate_json("-p", "What is the capital of Japan?")
+    assert out["prompt_ids"] == JAPAN_IDS
+    assert out["prompt"] == "<|user|>\nWhat is the capital of Japan?</s>\n<|assistant|>\n"
+    assert out["token_ids"] == [1576, 7483, 310, 5546, 338, 20377, 29889, 2]
+    assert set(out) >= {"model", "prompt_tokens_per_second", "generation_tokens_per_second"}
+
+
+def test_no_template_question_gets_no_chat_answer():
+    out = generate_json("-p", "What is the capital of Japan?", "--no-template")
+    assert out["template"] == "none"
+    assert out["prompt_ids"] == [1, 1724, 338, 278, 7483, 310, 5546, 29973]
+    assert "Tokyo" not in out["text"]
+
+
+def test_compare_template_runs_both_with_the_same_settings():
+    out = generate_json("-p", "What is 17 plus 25?", "--compare-template")
+    assert out["with_template"]["text"] == "17 plus 25 is 42."
+    assert out["without_template"]["template"] == "none"
+    assert out["without_template"]["prompt"] == "What is 17 plus 25?"
+    assert out["without_template"]["text"] != out["with_template"]["text"]
+    plain = run("generate", "-p", "What is 17 plus 25?", "--compare-template", "-n", "16")
+    assert "=== template: gguf (zephyr) ===\n17 plus 25 is 42.\n=== no template ===\n" in plain.stdout
+
+
+def test_show_prompt_prints_rendered_text_and_ids_to_stderr():
+    result = run("generate", "-p", "What is the capital of Japan?", "--show-prompt", "--system", "Be brief.", "-n", "1")
+    assert result.exit_code == 0
+    assert "<|system|>\nBe brief.</s>\n<|user|>\nWhat is the capital of Japan?</s>\n<|assistant|>\n" in result.stderr
+    assert "1 529 29989 5205 29989 29958 13" in result.stderr
+
+
+def test_builtin_template_and_template_file(tmp_path):
+    result = run("generate", "-p", "Hi", "--template", "chatml", "--show-prompt", "-n", "1")
+    assert "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" in result.stderr
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }} {{ greeting }}\nA:")
+    result = run("generate", "-p", "Hi", "--template-file", str(template), "--template-kwargs", '{"greeting": "hey"}',
+                 "--show-prompt", "-n", "1")
+    assert result.exit_code == 0, result.output
+    # The template emits <s> itself: BOS must not be doubled.
+    assert "Q: Hi hey\nA:\n--- 9 token ids ---\n1 660 29901 6324 540 29891 13 29909 29901\n" in result.stderr
+
+
+def test_stop_string_is_not_printed():
+    result = run("generate", "-p", "What is the capital of Japan?", "--stop", "Tokyo")
+    assert result.stdout == "The capital of Japan is \n"
+
+
+def test_model_from_environment_variable():
+    path = str(find_fixture_model("types-tiny-Q8_0.gguf"))
+    out = generate_json("-p", "hi", "-n", "1", env={"MLXLLAMA_MODEL": path})
+    assert out["model"] == path
+
+
+def one_line_error(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mlxllama: error: ") and fragment in lines[0], result.stderr
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    text_file = tmp_path / "notes.gguf"
+    text_file.write_text("hello, not a model")
+    one_line_error(run("generate", "-m", str(text_file), "-p", "x"), "not a GGUF file (offset 0")
+    one_line_error(run("generate", "-m", str(tmp_path / "missing.gguf"), "-p", "x"), "no such file")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(find_fixture_model("types-tiny-Q4_0.gguf").read_bytes()[:600_000])
+    one_line_error(run("generate", "-m", str(truncated), "-p", "x"), "truncated")
+    one_line_error(run("generate", "-p", "x", "--template", "nope"), "zephyr")
+    one_line_error(run("generate", "-p", "x", "--template-kwargs", "{not json"), "--template-kwargs: not valid JSON")
+    one_line_error(run("generate", "-p", "x", "--template-file", str(tmp_path / "none.jinja")), "none.jinja")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("line one\n{% for m in messages %}\n{{ m.content }\n")
+    one_line_error(run("generate", "-p", "x", "--template-file", str(broken)), "line 3")

@@ -1,0 +1,121 @@
+"""The model, cache and generation loop on the bundled chat-tiny Q4_K_M."""
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxllama
+from mlxllama.generate import generate_tokens, prefill
+from mlxllama.sampling import SamplingParams, apply_repeat_penalty, filter_logits, make_sampler
+from conftest import find_fixture_model
+
+JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5546, 29973, 2, 29871, 13, 29966,
+             29989, 465, 22137, 29989, 29958, 13]
+TOKYO_ANSWER_IDS = [1576, 7483, 310, 5546, 338, 20377, 29889, 2]  # "The capital of Japan is Tokyo." EOS
+
+
+@lru_cache(maxsize=1)
+def chat_tiny():
+    return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+
+
+def test_position_and_cache_advance_by_exactly_the_tokens_fed():
+    m = chat_tiny()
+    cache = m.new_cache()
+    mx.eval(prefill(m.model, JAPAN_IDS[:10], cache))
+    assert [c.offset for c in cache] == [10] * m.config.n_layers
+    mx.eval(prefill(m.model, JAPAN_IDS[10:], cache))
+    assert [c.offset for c in cache] == [24] * m.config.n_layers
+    greedy = make_sampler(SamplingParams())
+    cache = m.new_cache()
+    generated = list(generate_tokens(m.model, cache, JAPAN_IDS, greedy, max_tokens=5))
+    assert generated == TOKYO_ANSWER_IDS[:5]
+    # Every yielded token has been fed, so the cache holds the prompt plus all of them.
+    assert [c.offset for c in cache] == [24 + 5] * m.config.n_layers
+
+
+def test_incremental_decoding_matches_one_full_forward_pass():
+    """Chunked prefill then single steps must see the same positions as one pass over everything."""
+    m = chat_tiny()
+    ids = JAPAN_IDS + TOKYO_ANSWER_IDS[:4]
+    full = m.logits(ids)
+    cache = m.new_cache()
+    steps = [m.model(mx.array([ids[:9]]), cache)[0], m.model(mx.array([ids[9:24]]), cache)[0]]
+    steps += [m.model(mx.array([[token]]), cache)[0] for token in ids[24:]]
+    incremental = np.concatenate([np.array(s) for s in steps])
+    np.testing.assert_allclose(incremental, full, atol=2e-3, rtol=0)
+
+
+def test_greedy_chat_answer_stops_at_eos():
+    result = chat_tiny().generate(JAPAN_IDS, max_tokens=20)
+    assert result.token_ids == TOKYO_ANSWER_IDS
+    assert result.text == "The capital of Japan is Tokyo."
+    assert result.finish_reason == "stop"
+
+
+def test_max_tokens_ends_with_length():
+    result = chat_tiny().generate("The capital of Italy is", max_tokens=3)
+    assert len(result.token_ids) == 3 and result.finish_reason == "length"
+    # The third token is BOS (the corpus runs on into a new chat), which renders as nothing.
+    assert result.token_ids == [9184, 29889, 1] and result.text == " Rome."
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    m = chat_tiny()
+    runs = [m.generate("The capital of Italy is", max_tokens=20, temperature=0.9, seed=seed) for seed in (3, 3, 4)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].token_ids != runs[2].token_ids
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    m = chat_tiny()
+    greedy = m.generate("The capital of Italy is", max_tokens=12)
+    sampled = m.generate("The capital of Italy is", max_tokens=12, temperature=1.5, top_k=1, seed=0)
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_stop_string_across_token_boundary_is_not_emitted():
+    m = chat_tiny()
+    stream = m.stream(JAPAN_IDS, max_tokens=20, stop=["of Ja"])
+    pieces = list(stream)
+    assert stream.result.text == "The capital "
+    assert "".join(pieces) == "The capital "
+    assert stream.result.finish_reason == "stop" and stream.result.stop == "of Ja"
+
+
+def test_streamed_text_equals_detokenized_ids():
+    m = chat_tiny()
+    stream = m.stream("The capital of Italy is", max_tokens=24)
+    assert "".join(stream) == m.detokenize(stream.result.token_ids)
+
+
+def test_prompt_longer_than_context_is_a_clear_error():
+    m = chat_tiny()
+    with pytest.raises(mlxllama.MlxLlamaError, match="prompt is 600 tokens, more than the model's context of 512"):
+        m.generate([1] + [450] * 599, max_tokens=1)
+
+
+def test_generation_stops_at_the_context_length():
+    m = chat_tiny()
+    result = m.generate([1] + [450] * 508, max_tokens=50)
+    assert len(result.token_ids) == 3 and result.finish_reason == "length"
+
+
+def test_filter_logits_top_k_top_p_min_p():
+    logits = mx.log(mx.array([0.5, 0.25, 0.15, 0.1]))
+    kept = lambda out: np.isfinite(np.array(out)).tolist()  # noqa: E731
+    assert kept(filter_logits(logits, top_k=2, top_p=1.0, min_p=0.0)) == [True, True, False, False]
+    # The nucleus keeps tokens until the mass before them reaches top_p.
+    assert kept(filter_logits(logits, top_k=0, top_p=0.7, min_p=0.0)) == [True, True, False, False]
+    assert kept(filter_logits(logits, top_k=0, top_p=0.76, min_p=0.0)) == [True, True, True, False]
+    assert kept(filter_logits(logits, top_k=0, top_p=1.0, min_p=0.35)) == [True, True, False, False]
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = mx.array([2.0, -2.0, 1.0, 3.0])
+    out = apply_repeat_penalty(logits, [0, 1, 3, 0], penalty=2.0, last_n=2)
+    np.testing.assert_allclose(np.array(out), [1.0, -2.0, 1.0, 1.5])
+    out = apply_repeat_penalty(mx.array([2.0, -2.0, 1.0, 3.0]), [0, 1], penalty=2.0, last_n=-1)
+    np.testing.assert_allclose(np.array(out), [1.0, -4.0, 1.0, 3.0])
