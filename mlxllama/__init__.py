@@ -1,7 +1,8 @@
 """mlxllama: run GGUF language models on MLX, with chat templates applied explicitly."""
 
+from .batch import batch_generate
 from .chat_template import render_chat
 from .errors import MlxLlamaError
 from .runtime import Runtime, load, load_tokenizer
 
-__all__ = ["MlxLlamaError", "Runtime", "load", "load_tokenizer", "render_chat"]
+__all__ = ["MlxLlamaError", "Runtime", "batch_generate", "load", "load_tokenizer", "render_chat"]

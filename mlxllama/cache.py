@@ -66,13 +66,13 @@ class BatchKVCache:
         return mx.array(self.lengths)
 
     def mask(self, length: int) -> mx.array:
-        """[batch, 1, length, slots]: a row's new tokens see its cached positions and the new tokens up to themselves."""
+        """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to themselves."""
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
         key_pos = mx.arange(max(self.lengths) + length)
         return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return all slots in use."""
+        """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
         self._reserve(end)
@@ -109,10 +109,6 @@ class BatchKVCache:
         grown = (slots + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
         pad = [(0, 0), (0, 0), (0, grown - capacity), (0, 0)]
         self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
 
 
 def make_batch_cache(n_layers: int) -> list[BatchKVCache]:

@@ -10,6 +10,7 @@ import json
 from typing import Callable, Iterator
 
 from .errors import MlxLlamaError
+from .files import write_text_atomic
 from .generate import TextStream
 from .prompt import Template, render_messages, tokenize_rendered
 from .runtime import Runtime
@@ -98,10 +99,9 @@ class ChatSession:
         self.last_result = result
 
     def save(self, path: str) -> None:
+        """Write a JSON transcript of the completed turns; Ctrl-C meanwhile leaves the old file or the new one."""
         transcript = {"model": self.runtime.path, "template": self.template.label, "messages": self.conversation()}
         try:
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(transcript, f, ensure_ascii=False, indent=2)
-                f.write("\n")
+            write_text_atomic(path, json.dumps(transcript, ensure_ascii=False, indent=2) + "\n")
         except OSError as e:
             raise MlxLlamaError(f"{path}: cannot write transcript ({e.strerror})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from importlib.resources import files
 
 import click
@@ -102,10 +103,40 @@ def parse_template_kwargs(raw: str | None) -> dict:
     return value
 
 
+def dequantize_option(f):
+    # Not passed to the command: load_model reads it, so commands need no extra parameter.
+    return click.option(
+        "--dequantize", is_flag=True, expose_value=False,
+        callback=lambda ctx, _param, value: ctx.meta.__setitem__("mlxllama.dequantize", value),
+        help="Expand quantized weights to float (float16 on a GPU) instead of running them quantized.",
+    )(f)
+
+
+def dequantize_requested() -> bool:
+    return bool(click.get_current_context().meta.get("mlxllama.dequantize"))
+
+
 def load_model(model_path: str | None):
     from .runtime import load
 
-    return load(model_path or default_model_path())
+    return load(model_path or default_model_path(), dequantize=dequantize_requested())
+
+
+def fit_prompt(runtime, ids: list[int], max_tokens: int, truncate: bool) -> list[int]:
+    """The prompt ids to feed: unchanged, cut by --truncate's policy, or an error when too long for the context."""
+    from .generate import truncate_prompt
+
+    context = runtime.config.context_length
+    if not truncate:
+        if len(ids) > context:
+            raise MlxLlamaError(f"prompt is {len(ids)} tokens, more than the model's context of {context}; "
+                                "shorten it or pass --truncate to drop its start")
+        return ids
+    kept = truncate_prompt(ids, context, max_tokens, runtime.tokenizer.bos_id)
+    if len(kept) < len(ids):
+        click.echo(f"[prompt truncated: dropped {len(ids) - len(kept)} of its {len(ids)} tokens from the start, "
+                   f"kept {len(kept)} of the context's {context}]", err=True)
+    return kept
 
 
 def print_prompt(prompt) -> None:
@@ -117,13 +148,16 @@ def print_prompt(prompt) -> None:
 
 @main.command()
 @model_option
+@dequantize_option
 @click.option("--prompt", "-p", "prompt_text", required=True, help="The prompt ('-' reads it from stdin).")
 @template_options
 @click.option("--compare-template", is_flag=True, help="Run with and without the template, same settings and seed.")
+@click.option("--truncate", is_flag=True,
+              help="Cut a prompt too long for the context: keep BOS and its last tokens, leaving room to reply.")
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-             show_prompt, compare_template, as_json, **sampling):
+             show_prompt, compare_template, truncate, as_json, **sampling):
     """Generate a continuation of a prompt (with the model's chat template unless --no-template).
 
     \b
@@ -148,7 +182,8 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         prompt = build_prompt(runtime.tokenizer, run_template, messages, kwargs)
         if show_prompt:
             print_prompt(prompt)
-        stream = runtime.stream(prompt.ids, sampling["max_tokens"], params, sampling["stop"])
+        ids = fit_prompt(runtime, prompt.ids, sampling["max_tokens"], truncate)
+        stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"])
         if not as_json:
             if compare_template:
                 click.echo(f"=== {'template: ' + prompt.template if run_template.text else 'no template'} ===")
@@ -165,6 +200,23 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         click.echo(json.dumps(payload, ensure_ascii=False))
 
 
+@main.command("inspect")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_command(model_path, as_json):
+    """Describe a GGUF file without loading its weights: architecture, parameters, context length,
+    tokenizer and special tokens, chat template, tensor types and sizes.
+
+    \b
+    mlxllama inspect model.gguf
+    mlxllama inspect model.gguf --json
+    """
+    from .model_info import describe, format_text
+
+    info = describe(model_path)
+    click.echo(json.dumps(info, ensure_ascii=False) if as_json else format_text(info))
+
+
 CHAT_HELP = """commands: /reset (forget the conversation), /system TEXT (set the system message; empty clears it),
 /history (show the conversation), /save FILE (write a JSON transcript), /quit (or Ctrl-D).
 Ctrl-C stops the current reply."""
@@ -172,6 +224,7 @@ Ctrl-C stops the current reply."""
 
 @main.command()
 @model_option
+@dequantize_option
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
@@ -253,3 +306,190 @@ def run_chat_command(session, line: str) -> bool:
     else:
         click.echo(f"[unknown command {command}; {CHAT_HELP}]", err=True)
     return False
+
+
+@main.command()
+@model_option
+@dequantize_option
+@click.argument("prompts_file", metavar="PROMPTS", type=click.File("r", encoding="utf-8"))
+@click.option("--out", "-o", "out_path", default="-", show_default=True, metavar="FILE",
+              help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
+@click.option("--text", "text_input", is_flag=True, help="PROMPTS is plain text, one prompt per line.")
+@click.option("--batch-size", "-b", default=8, show_default=True, help="Sequences decoded together.")
+@click.option("--no-template", is_flag=True, help="Feed raw prompts with BOS only (a line may override).")
+@click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template (lines may override).")
+@click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
+@click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
+@click.option("--system", metavar="TEXT", help="System message for lines without one.")
+@click.option("--compare-template", is_flag=True, help="Run each prompt with and without its template.")
+@sampling_options
+@click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="Format of the summary printed to stderr at the end.")
+def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
+          template_kwargs, system, compare_template, summary, **sampling):
+    """Run every prompt of a JSONL file (or '-' for stdin) with batched decoding; write results in input order.
+
+    Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
+    number), "max_tokens", "temperature", "seed", "system", "template", "no_template", "stop",
+    which override the options. Bad lines are reported with their line number and skipped.
+    Exit code: 0, or 2 if any line was bad, or 130 after Ctrl-C; run again to resume.
+
+    \b
+    mlxllama batch prompts.jsonl --out results.jsonl
+    printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
+    """
+    from .batch import BatchSettings, run_batch
+    from .prompt import choose_template
+
+    if no_template and (system or compare_template):
+        raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
+    kwargs = parse_template_kwargs(template_kwargs)
+    runtime = load_model(model_path)
+    settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),
+                             system, kwargs, sampling_params(sampling), sampling["max_tokens"], sampling["stop"],
+                             compare_template)
+    source = "<stdin>" if prompts_file.name == "<stdin>" else prompts_file.name
+    sys.exit(run_batch(runtime, prompts_file, source, out_path, settings, text_input, batch_size, summary))
+
+
+@main.command("bench")
+@model_option
+@click.option("--synthetic", metavar="NAME",
+              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b), written to"
+                   " --model if given (an existing file there is reused), else to a temporary file.")
+@click.option("--quant", default="Q4_K_M", show_default=True, help="Quantization mix of --synthetic.")
+@click.option("--n-prompt", "-p", default=512, show_default=True, help="Prompt tokens for pp (0 skips it).")
+@click.option("--n-gen", "-n", default=128, show_default=True, help="Generated tokens for tg (0 skips it).")
+@click.option("--batch", "-b", "batches", default="1", show_default=True, metavar="LIST",
+              help="Comma-separated numbers of sequences decoded together in tg.")
+@click.option("--repetitions", "-r", default=5, show_default=True, help="Timed runs of each test, after a warm-up.")
+@dequantize_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, as_json):
+    """Prompt (pp) and generation (tg) tokens/s, load time and memory, in the style of llama-bench.
+
+    \b
+    mlxllama bench -m model.gguf -p 512 -n 128 -b 1,8,16
+    mlxllama bench --synthetic tinyllama-1.1b --quant Q4_K_M --json
+    """
+    import tempfile
+
+    from . import bench, synthetic as synthetic_models
+
+    try:
+        batch_sizes = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise MlxLlamaError(f"--batch: expected comma-separated integers, got {batches!r}") from None
+    if min(batch_sizes) < 1 or repetitions < 1 or n_prompt < 0 or n_gen < 0:
+        raise MlxLlamaError("--batch and --repetitions must be at least 1, -p and -n at least 0")
+    with tempfile.TemporaryDirectory() as scratch:
+        if synthetic:
+            model_path = model_path or os.path.join(scratch, f"{synthetic}-{quant}.gguf")
+            if not os.path.exists(model_path):
+                synthetic_models.write(model_path, synthetic, quant)
+        report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
+                           dequantize=dequantize_requested())
+    click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
+
+
+@main.command("trace")
+@model_option
+@dequantize_option
+@click.option("--prompt", "-p", "prompt_text", help="The prompt ('-' reads it from stdin).")
+@template_options
+@click.option("--steps", default=1, show_default=True,
+              help="Forward passes: the prompt, then each greedy token fed back (each predicts one token).")
+@click.option("--top-k", "top_k", default=5, show_default=True, help="Likeliest next tokens shown after each pass.")
+@click.option("--dump", "dump_dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="Write every layer's hidden states to DIR as .npy files (format: see above).")
+@click.option("--compare", nargs=2, metavar="DIR_A DIR_B", type=click.Path(file_okay=False, exists=True),
+              help="Compare two dumps instead of running a model; exit code 1 if they diverge.")
+@click.option("--tolerance", default=0.1, show_default=True,
+              help="--compare: the largest relative error ||a - b|| / ||b|| of one position's hidden state.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text report.")
+def trace_command(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
+                  show_prompt, steps, top_k, dump_dir, compare, tolerance, as_json):
+    """Show what each layer computes: RMS, min, max and mean of its attention output, MLP output and
+    residual stream, then the position, cache length and top-k next tokens of each pass.
+
+    \b
+    mlxllama trace -p "The capital of Italy is" --no-template --steps 3
+    mlxllama trace -p "What is 17 plus 25?" --dump ours/
+    mlxllama trace --compare ours/ theirs/ --tolerance 0.01
+
+    A dump is DIR/meta.json ({"token_ids": [...], ...}) and one float32 .npy of shape
+    [positions, hidden] per tensor: embd.npy, then layer_000_attn.npy, layer_000_mlp.npy,
+    layer_000_resid.npy, ... (module mlxllama.trace documents it). --compare checks A against B
+    position by position, in the order the model computes, and reports the first layer and
+    position whose error is over the tolerance. Exit code: 0 same, 1 diverging, 2 error.
+    """
+    from . import trace
+    from .prompt import build_prompt, choose_template, messages_for
+
+    if compare:
+        if prompt_text is not None or dump_dir:
+            raise MlxLlamaError("--compare takes two dump directories, not --prompt or --dump")
+        comparison = trace.compare_dumps(compare[0], compare[1], tolerance)
+        click.echo(json.dumps(asdict(comparison)) if as_json else trace.format_comparison(comparison, *compare))
+        sys.exit(1 if comparison.first_divergence else 0)
+    if prompt_text is None:
+        raise MlxLlamaError("trace needs --prompt (or --compare DIR_A DIR_B)")
+    if steps < 1 or top_k < 1:
+        raise MlxLlamaError("--steps and --top-k must be at least 1")
+    if prompt_text == "-":
+        prompt_text = sys.stdin.read()
+    kwargs = parse_template_kwargs(template_kwargs)
+    runtime = load_model(model_path)
+    template = choose_template(runtime.chat_template, template_name, template_file, no_template)
+    prompt = build_prompt(runtime.tokenizer, template, messages_for(prompt_text, system), kwargs)
+    if show_prompt:
+        print_prompt(prompt)
+    result = trace.trace(runtime.model, runtime.tokenizer, prompt.ids, runtime.new_cache(), steps, top_k,
+                         keep_hidden=bool(dump_dir))
+    if dump_dir:
+        trace.write_dump(dump_dir, result, len(prompt.ids), runtime.path, runtime.model)
+    if as_json:
+        click.echo(json.dumps({"model": runtime.path, "template": prompt.template, "prompt_ids": prompt.ids,
+                               "passes": [asdict(p) for p in result.passes]}, ensure_ascii=False))
+        return
+    click.echo(f"model {runtime.path}, template {prompt.template}, prompt of {len(prompt.ids)} tokens")
+    for number, one_pass in enumerate(result.passes, 1):
+        click.echo(trace.format_pass(number, one_pass, runtime.tokenizer))
+    if dump_dir:
+        click.echo(f"dump: {dump_dir} ({len(result.token_ids)} positions)")
+
+
+@main.command("perplexity")
+@model_option
+@dequantize_option
+@click.argument("text_path", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("--ctx", "-c", "n_ctx", default=512, show_default=True, help="Chunk length in tokens (llama.cpp's -c).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of llama.cpp's lines.")
+def perplexity_command(model_path, text_path, n_ctx, as_json):
+    """Perplexity on a text file, computed as llama.cpp's llama-perplexity computes it.
+
+    The text is cut into chunks of --ctx tokens (BOS first in each); only the second half of each
+    chunk is scored. Prints the running estimate per chunk to stderr, as llama.cpp does, then
+    "Final estimate: PPL = x +/- y" (one standard error).
+
+    \b
+    mlxllama perplexity -m model.gguf wiki.test.raw
+    mlxllama perplexity -m model.gguf notes.txt --ctx 128 --json
+    """
+    from .perplexity import perplexity, read_text
+
+    text = read_text(text_path)
+    runtime = load_model(model_path)
+    tokens = runtime.tokenize(text, add_bos=True)
+    bos_id = runtime.tokenizer.bos_id if runtime.tokenizer.add_bos else None
+
+    def progress(index, running):
+        click.echo(f"[{index}]{running:.4f},", err=True, nl=False)
+
+    result = perplexity(runtime.model, tokens, n_ctx, bos_id, None if as_json else progress)
+    if as_json:
+        click.echo(json.dumps({"model": runtime.path, "text": text_path, **result.to_dict()}))
+        return
+    click.echo("", err=True)
+    click.echo(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.uncertainty:.5f}  "
+               f"({result.n_chunks} chunks of {n_ctx}, {result.n_scored} tokens scored)")

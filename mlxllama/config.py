@@ -22,3 +22,14 @@ class ModelConfig:
     context_length: int
     vocab_size: int
     tied_output: bool
+    # Per-pair RoPE frequency divisors (llama.cpp's freq_factors: Llama 3's rope_freqs, Phi-3's
+    # short factors), rope_dim / 2 of them; None: plain RoPE.
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Scale of the rotated Q/K dims after RoPE (rope.scaling.attn_factor: Phi-3's LongRoPE).
+    rope_attn_factor: float = 1.0
+    # Q/K/V projections with biases (Qwen2).
+    attn_bias: bool = False
+    # The file stores Q/K/V as one attn_qkv tensor and gate/up as one ffn_up tensor (Phi-3);
+    # the loader splits them into the separate tensors the model uses.
+    fused_qkv: bool = False
+    fused_gate_up: bool = False

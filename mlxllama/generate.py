@@ -26,6 +26,21 @@ def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.
     return logits[0, -1]
 
 
+def truncate_prompt(ids: Sequence[int], context_length: int, max_tokens: int, bos_id: int | None) -> list[int]:
+    """The prompt cut to leave room for the reply, the policy of `generate --truncate`.
+
+    The reply gets room for max_tokens, but at most half the context; the prompt keeps its first
+    token when that is BOS, then its last tokens, as many as fit. The end is kept because it is
+    what the reply continues (with a template, the generation prompt). A prompt that already
+    leaves that room is returned unchanged.
+    """
+    keep = context_length - min(max_tokens, context_length // 2)
+    if len(ids) <= keep:
+        return list(ids)
+    head = [ids[0]] if bos_id is not None and ids[0] == bos_id else []
+    return head + list(ids[len(ids) - (keep - len(head)) :])
+
+
 def generate_tokens(
     model: Transformer,
     cache: list[KVCache],
@@ -57,7 +72,7 @@ def generate_tokens(
     token = sampler(prefill(model, new_ids, cache), context)
     mx.async_eval(token)
     for n in range(1, max_tokens + 1):
-        next_token = sampler(model(token.reshape(1, 1), cache)[0, -1], context)
+        next_token = sampler(model(token.reshape(1, 1), cache)[0, -1], context, token)
         mx.async_eval(next_token)
         token_id = token.item()
         context.append(token_id)

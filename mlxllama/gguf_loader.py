@@ -23,9 +23,14 @@ from .errors import MlxLlamaError
 from .quants import SUPPORTED_TYPES, dequantize
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+# `llama` covers Llama 1/2/3 and Mistral; all of these are the same pre-norm decoder with SwiGLU.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "phi3")
 # Architectures whose converter permutes Q/K so that RoPE rotates adjacent pairs.
 ADJACENT_PAIR_ROPE = ("llama",)
+# Per-pair RoPE frequency divisors, the first present wins: Llama 3's rope_freqs, and Phi-3's short
+# factors, which llama.cpp uses while its context is within rope.scaling.original_context_length
+# (its long factors only for contexts beyond that, which this runtime does not select).
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
 
 # GGUFReader does pure-Python work for every metadata key, string-array item and tensor (about
 # 1 to 100 us each), so a hostile file of many tiny entries could keep it busy for minutes. These
@@ -330,8 +335,6 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         )
     if "token_embd.weight" not in tensors:
         raise MlxLlamaError(f"{path}: missing tensor 'token_embd.weight'")
-    if "rope_freqs.weight" in tensors:
-        raise MlxLlamaError(f"{path}: per-dimension RoPE frequencies (rope_freqs.weight) are not supported yet")
     config = ModelConfig(
         architecture=arch,
         n_layers=n_layers,
@@ -348,9 +351,30 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         context_length=positive(f"{arch}.context_length", int),
         vocab_size=positive(f"{arch}.vocab_size", int, tensor_shape(tensors["token_embd.weight"])[0]),
         tied_output="output.weight" not in tensors,
+        rope_freq_factors=_rope_freq_factors(gguf, rope_dim),
+        rope_attn_factor=float(positive(f"{arch}.rope.scaling.attn_factor", float, 1.0)),
+        attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        fused_qkv="blk.0.attn_qkv.weight" in tensors,
+        # llama.cpp's phi3 always reads gate and up as one ffn_up of twice the FFN width.
+        fused_gate_up=arch == "phi3",
     )
-    _check_shapes(gguf, config)
+    checked_shapes(gguf, config)
     return config
+
+
+def _rope_freq_factors(gguf: GGUFFile, rope_dim: int) -> tuple[float, ...] | None:
+    for name in ROPE_FACTOR_TENSORS:
+        if name not in gguf.tensors:
+            continue
+        tensor = gguf.tensors[name]
+        if tensor_shape(tensor) != (rope_dim // 2,):
+            raise MlxLlamaError(
+                f"{gguf.path}: tensor {name!r} has shape {tensor_shape(tensor)}, expected {(rope_dim // 2,)} from the metadata")
+        factors = np.array(tensor_to_mlx(gguf, tensor, mx.float32), dtype=np.float64)
+        if not np.all((factors > 0) & np.isfinite(factors)):
+            raise MlxLlamaError(f"{gguf.path}: tensor {name!r} should hold positive RoPE frequency factors")
+        return tuple(factors.tolist())
+    return None
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
@@ -379,7 +403,7 @@ def tensor_shape(tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
-def _to_mlx(gguf: GGUFFile, tensor, dtype: mx.Dtype) -> mx.array:
+def tensor_to_mlx(gguf: GGUFFile, tensor, dtype: mx.Dtype) -> mx.array:
     qtype = tensor.tensor_type
     if qtype not in SUPPORTED_TYPES:
         type_name = qtype.name if isinstance(qtype, GGMLQuantizationType) else str(qtype)
@@ -398,14 +422,27 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: mx.Dtype = mx.float
 
     Shapes are checked against the metadata from the tensor headers, before any data is read.
     """
-    shapes = _check_shapes(gguf, config)
-    return {
-        name: _to_mlx(gguf, gguf.tensors[name], mx.float32 if len(shape) == 1 else dtype)
-        for name, shape in shapes.items()
-    }
+    weights = {}
+    for name, shape in checked_shapes(gguf, config).items():
+        is_norm = len(shape) == 1 and not name.endswith(".bias")
+        weights.update(split_fused(name, tensor_to_mlx(gguf, gguf.tensors[name], mx.float32 if is_norm else dtype), config))
+    return weights
 
 
-def _check_shapes(gguf: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def split_fused(name: str, array: mx.array, config: ModelConfig) -> dict[str, mx.array]:
+    """A fused tensor (rows [q; k; v] or [gate; up]) as the separate tensors the model has; others as they are."""
+    block, part, kind = (None, *name.rsplit(".", 1)) if name.count(".") < 2 else name.rsplit(".", 2)
+    if part == "attn_qkv":
+        q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        q, k, v = mx.split(array, [q_dim, q_dim + kv_dim])
+        return {f"{block}.attn_q.{kind}": q, f"{block}.attn_k.{kind}": k, f"{block}.attn_v.{kind}": v}
+    if part == "ffn_up" and config.fused_gate_up:
+        gate, up = mx.split(array, 2)
+        return {f"{block}.ffn_gate.{kind}": gate, f"{block}.ffn_up.{kind}": up}
+    return {name: array}
+
+
+def checked_shapes(gguf: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """expected_shapes(config), once every one of those tensors is known to be in the file with that shape."""
     tensors = gguf.tensors
     shapes = expected_shapes(config)
@@ -423,16 +460,22 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"token_embd.weight": (config.vocab_size, hidden), "output_norm.weight": (hidden,)}
     if not config.tied_output:
         shapes["output.weight"] = (config.vocab_size, hidden)
+    projections = {"attn_qkv": q_dim + 2 * kv_dim} if config.fused_qkv else {
+        "attn_q": q_dim, "attn_k": kv_dim, "attn_v": kv_dim}
     for i in range(config.n_layers):
+        for proj, rows in projections.items():
+            shapes[f"blk.{i}.{proj}.weight"] = (rows, hidden)
+            if config.attn_bias:
+                shapes[f"blk.{i}.{proj}.bias"] = (rows,)
         shapes.update({
             f"blk.{i}.attn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (q_dim, hidden),
-            f"blk.{i}.attn_k.weight": (kv_dim, hidden),
-            f"blk.{i}.attn_v.weight": (kv_dim, hidden),
             f"blk.{i}.attn_output.weight": (hidden, q_dim),
             f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.ffn_gate.weight": (config.ffn_size, hidden),
-            f"blk.{i}.ffn_up.weight": (config.ffn_size, hidden),
             f"blk.{i}.ffn_down.weight": (hidden, config.ffn_size),
         })
+        if config.fused_gate_up:
+            shapes[f"blk.{i}.ffn_up.weight"] = (2 * config.ffn_size, hidden)
+        else:
+            shapes[f"blk.{i}.ffn_gate.weight"] = (config.ffn_size, hidden)
+            shapes[f"blk.{i}.ffn_up.weight"] = (config.ffn_size, hidden)
     return shapes

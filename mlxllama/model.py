@@ -1,4 +1,4 @@
-"""The Llama transformer in MLX.
+"""The Llama-family transformer in MLX (Llama 1/2/3, Mistral, Qwen2, Phi-3).
 
 Module and parameter names mirror GGUF tensor names (`blk.0.attn_q.weight`), so the loader's
 weights load by name and a tensor can be followed from the file to the layer that uses it.
@@ -19,14 +19,17 @@ class Block(nn.Module):
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
         self.attn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
-        self.attn_q = nn.Linear(hidden, config.n_heads * head_dim, bias=False)
-        self.attn_k = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=False)
-        self.attn_v = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=False)
+        self.attn_q = nn.Linear(hidden, config.n_heads * head_dim, bias=config.attn_bias)
+        self.attn_k = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=config.attn_bias)
+        self.attn_v = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=config.attn_bias)
         self.attn_output = nn.Linear(config.n_heads * head_dim, hidden, bias=False)
         self.ffn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
         self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
         self.ffn_up = nn.Linear(hidden, config.ffn_size, bias=False)
         self.ffn_down = nn.Linear(config.ffn_size, hidden, bias=False)
+        # Underscored: constants derived from the config, not weights to load.
+        self._rope_freqs = rope_freqs(config)
+        self._rope_attn_scale = rope_attn_scale(config)
 
     def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         c = self.config
@@ -36,9 +39,13 @@ class Block(nn.Module):
         v = self.attn_v(x).reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
-        rope = dict(traditional=c.rope_traditional, base=c.rope_base, scale=c.rope_scale, offset=position)
+        base = c.rope_base if self._rope_freqs is None else None  # MLX takes one or the other
+        rope = dict(traditional=c.rope_traditional, base=base, scale=c.rope_scale, offset=position, freqs=self._rope_freqs)
         q = mx.fast.rope(q, c.rope_dim, **rope)
         k = mx.fast.rope(k, c.rope_dim, **rope)
+        if self._rope_attn_scale is not None:
+            scale = self._rope_attn_scale.astype(q.dtype)
+            q, k = q * scale, k * scale
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         # The fused kernel handles grouped-query attention (fewer KV heads) itself.
@@ -47,8 +54,10 @@ class Block(nn.Module):
 
     def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         h = x + self.attention(self.attn_norm(x), mask, cache)
-        gated = self.ffn_norm(h)
-        return h + self.ffn_down(nn.silu(self.ffn_gate(gated)) * self.ffn_up(gated))
+        return h + self.mlp(self.ffn_norm(h))
+
+    def mlp(self, x: mx.array) -> mx.array:
+        return self.ffn_down(nn.silu(self.ffn_gate(x)) * self.ffn_up(x))
 
 
 class Transformer(nn.Module):
@@ -67,6 +76,10 @@ class Transformer(nn.Module):
 
         With a BatchKVCache every row continues from its own length (its own positions and mask).
         """
+        return self.head(self.hidden_states(tokens, cache))
+
+    def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
+        """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
         h = self.token_embd(tokens).astype(self.compute_dtype)
         if cache and isinstance(cache[0], BatchKVCache):
             mask = cache[0].mask(tokens.shape[1])
@@ -74,6 +87,10 @@ class Transformer(nn.Module):
             mask = causal_mask(tokens.shape[1], cache[0].offset if cache else 0)
         for i, block in enumerate(self.blk):
             h = block(h, mask, cache[i] if cache else None)
+        return h
+
+    def head(self, h: mx.array) -> mx.array:
+        """The last layer's hidden states -> logits (float32)."""
         h = self.output_norm(h)
         logits = self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)
         return logits.astype(mx.float32)
@@ -86,3 +103,20 @@ def causal_mask(length: int, offset: int):
     query_pos = mx.arange(offset, offset + length)[:, None]
     key_pos = mx.arange(offset + length)[None, :]
     return key_pos <= query_pos
+
+
+def rope_freqs(config: ModelConfig) -> mx.array | None:
+    """MLX's `freqs` for RoPE with per-pair factors: llama.cpp divides pair i's angle by factor i,
+    MLX divides by freqs[i], normally base ** (2i / rope_dim), so the two multiply."""
+    if config.rope_freq_factors is None:
+        return None
+    exponents = mx.arange(0, config.rope_dim, 2, dtype=mx.float32) / config.rope_dim
+    return config.rope_base**exponents * mx.array(config.rope_freq_factors, dtype=mx.float32)
+
+
+def rope_attn_scale(config: ModelConfig) -> mx.array | None:
+    """llama.cpp scales the rotated dims' cos/sin by the attention factor; the other dims stay as they are."""
+    if config.rope_attn_factor == 1.0:
+        return None
+    rest = config.head_dim - config.rope_dim
+    return mx.array([config.rope_attn_factor] * config.rope_dim + [1.0] * rest, dtype=mx.float32)

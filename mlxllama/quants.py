@@ -1,14 +1,17 @@
-"""Vectorized dequantization of GGML tensor data into float32 MLX arrays.
+"""GGML tensor data as MLX arrays: vectorized dequantization, and MLX's affine quantized format.
 
 Block layouts follow ggml (ggml-common.h / ggml-quants.c). Each decoder takes
 a (n_blocks, type_size) uint8 array and returns (n_blocks, block_size) float32,
 doing the float arithmetic in the same order as ggml so results are bit-exact.
+
+`to_affine` re-expresses quantized blocks in the layout `mx.quantized_matmul` takes: groups of 32
+values along a row, w = scale * q + bias with unsigned q packed into uint32 words.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -81,7 +84,8 @@ def _q2_k(b: mx.array) -> mx.array:
     return (dl * _f32(_crumbs(b[:, 16:80])) - ml).reshape(n, 256)
 
 
-def _q3_k(b: mx.array) -> mx.array:
+def _q3_k_parts(b: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """d (n, 1), the 16 sub-block scales (n, 16) and q in [-4, 3] (n, 16, 16), all float32."""
     n = b.shape[0]
     hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
     # 16 signed 6-bit scales: low nibbles from bytes 0-7 (low then high
@@ -89,11 +93,15 @@ def _q3_k(b: mx.array) -> mx.array:
     low = _nibbles(packed[:, :8])
     high = _bits(packed[:, 8:], 4, 2).reshape(n, 16)
     scales = _f32(low | (high << 4)) - 32
-    dl = (_f16(b, 108) * scales).reshape(n, 16, 1)
     # A clear hmask bit means the value is offset by -4.
     offset = _f32(1 - _bits(hmask, 8, 1)).reshape(n, 16, 16) * 4
-    q = _f32(_crumbs(qs)) - offset
-    return (dl * q).reshape(n, 256)
+    return _f16(b, 108), scales, _f32(_crumbs(qs)) - offset
+
+
+def _q3_k(b: mx.array) -> mx.array:
+    d, scales, q = _q3_k_parts(b)
+    dl = (d * scales).reshape(-1, 16, 1)
+    return (dl * q).reshape(-1, 256)
 
 
 def _k_scales_mins(packed: mx.array) -> tuple[mx.array, mx.array]:
@@ -130,16 +138,20 @@ def _q5_k(b: mx.array) -> mx.array:
     return (d * _f32(q) - m).reshape(n, 256)
 
 
-def _q6_k(b: mx.array) -> mx.array:
+def _q6_k_parts(b: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """d (n, 1), the 16 sub-block scales (n, 16) and q in [-32, 31] (n, 16, 16), all float32."""
     n = b.shape[0]
     # Each 128-value half uses 64 ql bytes (low nibbles give values 0-63,
     # high nibbles 64-127) and 32 qh bytes (four 2-bit planes, one per 32 values).
     ql = _nibbles(b[:, :128].reshape(n, 2, 64))
     qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2).reshape(n, 2, 128)
     q = (_f32(ql | (qh << 4)) - 32).reshape(n, 16, 16)
-    scales = _f32(mx.view(b[:, 192:208], mx.int8))
-    d = (_f16(b, 208) * scales).reshape(n, 16, 1)
-    return (d * q).reshape(n, 256)
+    return _f16(b, 208), _f32(mx.view(b[:, 192:208], mx.int8)), q
+
+
+def _q6_k(b: mx.array) -> mx.array:
+    d, scales, q = _q6_k_parts(b)
+    return ((d * scales).reshape(-1, 16, 1) * q).reshape(-1, 256)
 
 
 def _iq4_nl(b: mx.array) -> mx.array:
@@ -210,3 +222,214 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
         return values.astype(mx.float32).reshape(shape)
     blocks = mx.array(flat.view(np.uint8)).reshape(-1, type_size)
     return _DECODERS[qtype](blocks).reshape(shape)
+
+
+# --- MLX's affine quantized layout -------------------------------------------------------------
+
+AFFINE_GROUP_SIZE = 32
+# Scales and biases are stored as float16 on every device: it keeps a Q4_K weight at 5 bits
+# (float32 would make it 6) and MLX's CPU kernels take float16 scales with float32 inputs at no cost.
+AFFINE_SCALE_DTYPE = mx.float16
+# Rows are converted in slices of about this many values so that the unpacked intermediates
+# (up to 8 bytes a value) stay small next to the weights already loaded.
+_CHUNK_VALUES = 1 << 18
+
+
+class AffineWeight(NamedTuple):
+    """One 2-D tensor in MLX's affine format: every 32 values of a row share a scale and a bias."""
+
+    weight: mx.array  # uint32 [rows, cols * bits / 32]
+    scales: mx.array  # float16 [rows, cols / 32]
+    # float16 [rows, cols / 32]; None for a symmetric grid, whose bias is always -128 x scale
+    # (8 bits): leaving it out keeps such a weight at 8.5 bits instead of 9.
+    biases: mx.array | None
+    bits: int
+    qtype: GGMLQuantizationType
+
+    def full_biases(self) -> mx.array:
+        return self.biases if self.biases is not None else symmetric_biases(self.scales)
+
+
+def symmetric_biases(scales: mx.array) -> mx.array:
+    """The biases of an 8-bit symmetric grid, q = v + 128 for signed v: exact, a power-of-two multiple."""
+    return scales * -128
+
+
+def _affine_q4_0(b: mx.array):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:]), d, -8 * d
+
+
+def _affine_q4_1(b: mx.array):
+    return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q5_0(b: mx.array):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 6:]) | _q5_high(b[:, 2:6]), d, -16 * d
+
+
+def _affine_q5_1(b: mx.array):
+    return _nibbles(b[:, 8:]) | _q5_high(b[:, 4:8]), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q8_0(b: mx.array):
+    d = _f16(b, 0)
+    # Flipping the sign bit turns int8 q into q + 128.
+    return b[:, 2:] ^ 0x80, d, -128 * d
+
+
+def _affine_q4_k(b: mx.array):
+    scales, mins = _k_scales_mins(b[:, 4:16])
+    return _k_low_nibbles(b[:, 16:]), _f16(b, 0) * scales, -(_f16(b, 2) * mins)
+
+
+def _affine_q5_k(b: mx.array):
+    scales, mins = _k_scales_mins(b[:, 4:16])
+    q = _k_low_nibbles(b[:, 48:]) | (_bits(b[:, 16:48], 8, 1) << 4)
+    return q, _f16(b, 0) * scales, -(_f16(b, 2) * mins)
+
+
+# IQ4's codebook is integers in [-127, 113], so shifted by 128 it is an exact 8-bit grid.
+_IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(mx.uint8)
+
+
+def _affine_iq4_nl(b: mx.array):
+    d = _f16(b, 0)
+    return mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 2:])), d, -128 * d
+
+
+def _affine_iq4_xs(b: mx.array):
+    n = b.shape[0]
+    low = _bits(b[:, 4:8], 2, 4).swapaxes(-1, -2).reshape(n, 8)
+    high = _bits(b[:, 2:4], 4, 2).swapaxes(-1, -2).reshape(n, 8)
+    scale = _f16(b, 0) * (_f32(low | (high << 4)) - 32)
+    q = mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 8:].reshape(n, 8, 16)))
+    return q, scale, -128 * scale
+
+
+def _affine_q3_k(b: mx.array):
+    # scale x q is an integer in [-124, 128] and -(scale x q) one in [-128, 124]: with the
+    # scale -d every value sits exactly on an 8-bit grid, and the bias is 128 d.
+    d, scales, q = _q3_k_parts(b)
+    n = b.shape[0]
+    v = 128 - scales.reshape(n, 16, 1) * q
+    return v.astype(mx.uint8).reshape(n, 256), mx.broadcast_to(-d, (n, 8)), None
+
+
+def _affine_q6_k(b: mx.array):
+    """Q6_K's 16-value sub-blocks (d x scale x q, q in [-32, 31]) re-quantized to 8 bits on a symmetric grid.
+
+    Of the two sub-blocks in a group, the one with the larger |scale| sets the step, a quarter of
+    its own, so its values land exactly on the grid (v = 4 q); the other's are rounded to it, off
+    by at most 1/8 of the larger sub-block's step. The bias is -128 x scale, so it is not stored.
+    """
+    d, scales, q = _q6_k_parts(b)
+    n = b.shape[0]
+    pairs = scales.reshape(n, 8, 2)
+    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
+    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
+    v = mx.round(4 * ratio[..., None] * q.reshape(n, 8, 2, 16))
+    # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
+    q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
+    return q8.reshape(n, 256), d * larger / 4, None
+
+
+def _requantized(decode: Callable[[mx.array], mx.array]):
+    """An encoder for Q2_K, whose 16-value sub-blocks each have their own scale and min, so no
+    32-value affine group holds them exactly.
+
+    The exact values are re-quantized to 8 bits per group of 32 (min to max in 255 steps). The
+    scale and bias are rounded to their storage type first and q rounded against those, so the
+    stored weight is within half a step (1/510 of the group's range) of the original.
+    """
+
+    def encode(b: mx.array):
+        w = decode(b).reshape(-1, AFFINE_GROUP_SIZE)
+        low, high = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
+        bias = low.astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
+        scale = ((high - bias) / 255).astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
+        # An all-equal group has no range: any scale works, q = 0.
+        steps = mx.where(scale > 0, (w - bias) / mx.where(scale > 0, scale, 1), 0)
+        q = mx.clip(mx.round(steps), 0, 255).astype(mx.uint8)
+        return q.reshape(b.shape[0], -1), scale.reshape(b.shape[0], -1), bias.reshape(b.shape[0], -1)
+
+    return encode
+
+
+# type -> (bits, encoder: blocks -> (q uint8 [n, block_size], scales [n, groups], biases [n, groups] or None))
+_AFFINE: dict[GGMLQuantizationType, tuple[int, Callable]] = {
+    GGMLQuantizationType.Q4_0: (4, _affine_q4_0),
+    GGMLQuantizationType.Q4_1: (4, _affine_q4_1),
+    GGMLQuantizationType.Q5_0: (5, _affine_q5_0),
+    GGMLQuantizationType.Q5_1: (5, _affine_q5_1),
+    GGMLQuantizationType.Q8_0: (8, _affine_q8_0),
+    GGMLQuantizationType.Q4_K: (4, _affine_q4_k),
+    GGMLQuantizationType.Q5_K: (5, _affine_q5_k),
+    GGMLQuantizationType.IQ4_NL: (8, _affine_iq4_nl),
+    GGMLQuantizationType.IQ4_XS: (8, _affine_iq4_xs),
+    GGMLQuantizationType.Q2_K: (8, _requantized(_q2_k)),
+    GGMLQuantizationType.Q3_K: (8, _affine_q3_k),
+    GGMLQuantizationType.Q6_K: (8, _affine_q6_k),
+}
+AFFINE_TYPES: frozenset[GGMLQuantizationType] = frozenset(_AFFINE)
+# Types whose values MLX holds only approximately (see _affine_q6_k, _requantized); the others are
+# exact up to the float16 rounding of a K-type's scale (d x sub-block scale) and min (dmin x min).
+REQUANTIZED_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q6_K})
+# On a symmetric 8-bit grid: their AffineWeight has no stored biases.
+SYMMETRIC_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q6_K})
+
+
+def _pack(q: mx.array, bits: int) -> mx.array:
+    """uint8 values [n, k] as MLX packs them: one little-endian stream of `bits`-bit fields, in uint32 words."""
+    n = q.shape[0]
+    if bits == 8:
+        packed = q
+    elif bits == 4:
+        packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    else:
+        # 8 values of `bits` bits are exactly `bits` bytes: build them in a uint64 and keep its low bytes.
+        shifts = mx.arange(8, dtype=mx.uint64) * bits
+        words = (q.reshape(n, -1, 8).astype(mx.uint64) << shifts).sum(axis=-1)
+        packed = mx.view(words, mx.uint8).reshape(n, -1, 8)[:, :, :bits]
+    return mx.view(mx.contiguous(packed.reshape(n, -1)), mx.uint32)
+
+
+def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> AffineWeight:
+    """One 2-D quantized tensor's raw data (as GGUFReader gives it) in MLX's affine format, evaluated."""
+    if qtype not in AFFINE_TYPES:
+        name = getattr(qtype, "name", qtype)
+        raise ValueError(f"GGML type {name} has no affine form")
+    qtype = GGMLQuantizationType(qtype)
+    rows, cols = (int(s) for s in shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.asarray(data).reshape(-1).view(np.uint8)
+    if cols % block_size or raw.nbytes != rows * cols // block_size * type_size:
+        raise ValueError(f"{raw.nbytes} bytes of {qtype.name} data do not match shape {shape}")
+    raw = raw.reshape(rows, -1)
+    bits, encode = _AFFINE[qtype]
+    groups = cols // AFFINE_GROUP_SIZE
+    out = AffineWeight(
+        mx.zeros((rows, cols * bits // 32), mx.uint32),
+        mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
+        None if qtype in SYMMETRIC_TYPES else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
+        bits,
+        qtype,
+    )
+    step = max(1, _CHUNK_VALUES // cols)
+    for start in range(0, rows, step):
+        chunk = raw[start : start + step]
+        q, scales, biases = encode(mx.array(chunk).reshape(-1, type_size))
+        n = chunk.shape[0]
+        # Each slice is written in place, so the tensor is never held twice.
+        out.weight[start : start + n] = _pack(q.reshape(n, cols), bits)
+        out.scales[start : start + n] = scales.reshape(n, groups).astype(AFFINE_SCALE_DTYPE)
+        if biases is not None:
+            out.biases[start : start + n] = biases.reshape(n, groups).astype(AFFINE_SCALE_DTYPE)
+        mx.eval([a for a in out[:3] if a is not None])
+    return out
+
+
+def decode_blocks(blocks: mx.array, qtype: GGMLQuantizationType) -> mx.array:
+    """Quantized blocks (n, type_size) uint8 as their exact values (n, block_size) float32."""
+    return _DECODERS[GGMLQuantizationType(qtype)](blocks)

@@ -9,7 +9,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import gguf_loader
+from . import gguf_loader, quantized_model
 from .cache import KVCache, make_cache
 from .config import ModelConfig
 from .generate import GenerationResult, TextStream
@@ -75,15 +75,22 @@ class Runtime:
         return self.stream(prompt, max_tokens, params, stop, special).run()
 
 
-def load(path: str | os.PathLike, dtype: mx.Dtype | None = None) -> Runtime:
-    """Load a GGUF model with weights dequantized to `dtype` (default: float16 on a GPU, float32 on the CPU)."""
+def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False) -> Runtime:
+    """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
+
+    Quantized matrices stay quantized (native mode, see quantized_model); `dequantize` expands
+    every weight to `dtype` instead, the simple mode to compare against.
+    """
     start = time.perf_counter()
     gguf = gguf_loader.open_gguf(path)
     config = gguf_loader.read_config(gguf)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
-    model = Transformer(config, dtype)
-    model.load_weights(list(gguf_loader.load_weights(gguf, config, dtype).items()))
+    if dequantize:
+        model = Transformer(config, dtype)
+        model.load_weights(list(gguf_loader.load_weights(gguf, config, dtype).items()))
+    else:
+        model = quantized_model.build(gguf, config, dtype)
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 

@@ -19,16 +19,20 @@ class SamplingParams:
     seed: int | None = None
 
 
-Sampler = Callable[[mx.array, Sequence[int]], mx.array]
+Sampler = Callable[..., mx.array]
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
-    """A function (logits [vocab], ids so far) -> token id as a 0-d mx.array, seeded per sampler."""
+    """A function (logits [vocab], ids so far, pending) -> token id as a 0-d mx.array, seeded per sampler.
+
+    `pending` is the token sampled last whose value the host has not read yet (a 0-d array): the
+    decode loop queues the next step before waiting for it, and the penalty must still see it.
+    """
     key = mx.random.key(params.seed) if params.seed is not None else None
 
-    def sample(logits: mx.array, history: Sequence[int]) -> mx.array:
+    def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None) -> mx.array:
         nonlocal key
-        logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n)
+        logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n, pending)
         if params.temperature <= 0:
             return mx.argmax(logits, axis=-1)
         logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
@@ -40,11 +44,20 @@ def make_sampler(params: SamplingParams) -> Sampler:
     return sample
 
 
-def apply_repeat_penalty(logits: mx.array, history: Sequence[int], penalty: float, last_n: int) -> mx.array:
-    """llama.cpp's rule: a recent token's positive logit is divided by the penalty, a negative one multiplied."""
-    if penalty == 1.0 or last_n == 0 or not history:
+def apply_repeat_penalty(logits: mx.array, history: Sequence[int], penalty: float, last_n: int,
+                         pending: mx.array | None = None) -> mx.array:
+    """llama.cpp's rule: a recent token's positive logit is divided by the penalty, a negative one multiplied.
+
+    The window is the last `last_n` tokens (all when negative), `pending` being the newest.
+    """
+    if penalty == 1.0 or last_n == 0:
         return logits
-    recent = mx.array(sorted(set(history[-last_n:] if last_n > 0 else history)))
+    from_history = len(history) if last_n < 0 else last_n - (pending is not None)
+    recent = mx.array(sorted(set(history[len(history) - from_history:])), mx.uint32)
+    if pending is not None:
+        recent = mx.concatenate([recent, pending.reshape(1).astype(mx.uint32)])
+    if recent.size == 0:
+        return logits
     chosen = logits[recent]
     logits[recent] = mx.where(chosen > 0, chosen / penalty, chosen * penalty)
     return logits

@@ -1,4 +1,7 @@
-"""SentencePiece ("llama" SPM) tokenizer built from GGUF metadata, tokenizing like llama.cpp.
+"""GGUF tokenizers, tokenizing like llama.cpp: SentencePiece ("llama") and byte-level BPE ("gpt2").
+
+Byte-level BPE segmentation lives in ``bpe.py``; this module handles what both kinds share (special
+tokens, BOS/EOS, end-of-generation ids, decoding tables).  For SentencePiece vocabularies:
 
 The raw-text segmentation is done by the ``sentencepiece`` library with a model that is
 assembled in memory from the GGUF vocabulary (a hand-serialized ``ModelProto``; no protobuf
@@ -24,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import sentencepiece
 
+from mlxllama import bpe
 from mlxllama.errors import MlxLlamaError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
@@ -182,7 +186,7 @@ def _byte_of_piece(text: str) -> int | None:
 
 
 class Tokenizer:
-    """A llama.cpp-compatible tokenizer for ``tokenizer.ggml.model == "llama"`` vocabularies."""
+    """A llama.cpp-compatible tokenizer for ``tokenizer.ggml.model`` "llama" (SPM) or "gpt2" (BPE)."""
 
     vocab_size: int
     bos_id: int | None
@@ -204,9 +208,10 @@ class Tokenizer:
         model = _get(metadata, "model")
         if model is None:
             raise MlxLlamaError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "llama":
+        if model not in ("llama", "gpt2"):
             raise MlxLlamaError(
-                f"unsupported tokenizer model {model!r}: only SentencePiece ('llama') vocabularies are supported")
+                f"unsupported tokenizer model {model!r}: supported are SentencePiece ('llama') and byte-level"
+                " BPE ('gpt2') vocabularies")
         raw_tokens = _get(metadata, "tokens")
         if raw_tokens is None or len(raw_tokens) == 0:
             raise MlxLlamaError("GGUF metadata has no vocabulary (tokenizer.ggml.tokens is missing)")
@@ -249,15 +254,21 @@ class Tokenizer:
 
         attrs = [_TYPE_TO_ATTR.get(int(x), ATTR_UNDEFINED) for x in types[:n]]
 
-        self.bos_id = _opt_id(metadata, "bos_token_id", 1, n)
-        self.eos_id = _opt_id(metadata, "eos_token_id", 2, n)
-        self.unk_id = _opt_id(metadata, "unknown_token_id", 0, n)
+        # llama.cpp's defaults differ by kind: BPE vocabularies have no <unk>, add no space prefix,
+        # and add BOS only where the pre-tokenizer says so (Llama 3) or the metadata asks.
+        is_bpe = _get(metadata, "model") == "gpt2"
+        if is_bpe:
+            self._bpe = bpe.BytePairEncoder.from_metadata(metadata, token_to_id)
+        self.kind = "bpe" if is_bpe else "spm"
+        self.bos_id = _opt_id(metadata, "bos_token_id", 11 if is_bpe else 1, n)
+        self.eos_id = _opt_id(metadata, "eos_token_id", 11 if is_bpe else 2, n)
+        self.unk_id = _opt_id(metadata, "unknown_token_id", None if is_bpe else 0, n)
         self.pad_id = _opt_id(metadata, "padding_token_id", None, n)
         self.eot_id = _opt_id(metadata, "eot_token_id", None, n)
         self.eom_id = _opt_id(metadata, "eom_token_id", None, n)
-        self.add_bos = bool(_get(metadata, "add_bos_token", True))
+        self.add_bos = bool(_get(metadata, "add_bos_token", self._bpe.pre.add_bos if is_bpe else True))
         self.add_eos = bool(_get(metadata, "add_eos_token", False))
-        self.add_space_prefix = bool(_get(metadata, "add_space_prefix", True))
+        self.add_space_prefix = not is_bpe and bool(_get(metadata, "add_space_prefix", True))
         if self.add_bos and self.bos_id is None:
             raise MlxLlamaError("tokenizer.ggml.add_bos_token is true, but the BOS token id is not valid")
         if self.add_eos and self.eos_id is None:
@@ -278,9 +289,9 @@ class Tokenizer:
                     attrs[found] |= ATTR_CONTROL
             fim_ids[keys[0]] = found
         if self.eot_id is None:
-            hits = [token_to_id[t] for t in _EOT_TEXTS if t in token_to_id]
-            if hits:
-                self.eot_id = min(hits)
+            # llama.cpp takes the first match in hash-map order; the list's order (the texts' specificity)
+            # gives the same answer on Llama 3, Qwen2 and Phi-3 vocabularies, which hold several.
+            self.eot_id = next((token_to_id[t] for t in _EOT_TEXTS if t in token_to_id), None)
         if self.eom_id is None and "<|eom_id|>" in token_to_id:
             self.eom_id = token_to_id["<|eom_id|>"]
         eog = {token_to_id[t] for t in _EOG_TEXTS if t in token_to_id}
@@ -317,7 +328,7 @@ class Tokenizer:
             elif a & ATTR_USER_DEFINED:
                 pieces.append(texts[i].encode("utf-8"))
             elif a & ATTR_NORMAL:
-                pieces.append(texts[i].replace(_SPACE, " ").encode("utf-8"))
+                pieces.append(bpe.byte_decode(texts[i]) if is_bpe else texts[i].replace(_SPACE, " ").encode("utf-8"))
             elif a & ATTR_BYTE:
                 b = _byte_of_piece(texts[i])
                 pieces.append(bytes([b]) if b is not None else b"")
@@ -325,7 +336,8 @@ class Tokenizer:
                 pieces.append(b"")
         self._pieces = pieces
 
-        self._build_sentencepiece(scores[:n], types[:n])
+        if not is_bpe:
+            self._build_sentencepiece(scores[:n], types[:n])
 
     def _build_sentencepiece(self, scores: np.ndarray, types: np.ndarray) -> None:
         n = self.vocab_size
@@ -391,6 +403,8 @@ class Tokenizer:
         return fragments
 
     def _encode_fragment(self, text: str) -> list[int]:
+        if self.kind == "bpe":
+            return self._bpe.encode(text)
         ids = self._sp.encode(text)
         if not self._byte_fallback and self._sp_unk in ids:
             unk = self.unk_id if self.unk_id is not None else 0

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import llama_cpp
+import llama_cpp_cpu  # noqa: F401  (must come before any Llama is created)
 import numpy as np
 
 # Zephyr-style rendering (chat-tiny's and types-tiny's own template) of the fixtures README's questions.
@@ -29,25 +30,12 @@ TOP_K = 512
 GREEDY_TOKENS = 16
 OUT = Path(__file__).resolve().parents[1] / "tests" / "reference" / "llama_cpp"
 
-# llama.cpp's extra buffer types crash on this machine's CPU (AMX in a VM): switch them off.
-_default_params = llama_cpp.llama_model_default_params
 
-
-def _params_without_extra_bufts():
-    params = _default_params()
-    params.use_extra_bufts = False
-    return params
-
-
-llama_cpp.llama_model_default_params = _params_without_extra_bufts
-llama_cpp.llama_cpp.llama_model_default_params = _params_without_extra_bufts
-
-
-def reference(path: Path) -> dict:
+def reference(path: Path, prompts: dict[str, str] = PROMPTS) -> dict:
     llm = llama_cpp.Llama(str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False, seed=0)
     eos = llm.token_eos()
     record = {}
-    for name, text in PROMPTS.items():
+    for name, text in prompts.items():
         ids = llm.tokenize(text.encode(), add_bos=True, special=True)
         llm.reset()
         llm.eval(ids)

@@ -119,3 +119,25 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
     np.testing.assert_allclose(np.array(out), [1.0, -2.0, 1.0, 1.5])
     out = apply_repeat_penalty(mx.array([2.0, -2.0, 1.0, 3.0]), [0, 1], penalty=2.0, last_n=-1)
     np.testing.assert_allclose(np.array(out), [1.0, -4.0, 1.0, 3.0])
+
+
+def test_repeat_penalty_window_includes_the_pending_token():
+    logits = mx.array([2.0, -2.0, 1.0, 3.0])
+    out = apply_repeat_penalty(logits, [0, 1, 3], penalty=2.0, last_n=2, pending=mx.array(2))
+    np.testing.assert_allclose(np.array(out), [2.0, -2.0, 0.5, 1.5])
+
+
+def test_repeat_penalty_sees_every_generated_token():
+    """The decode loop queues a step before reading the last token; the penalty must still count it."""
+    m = chat_tiny()
+    params = dict(max_tokens=16, repeat_penalty=1.3, repeat_last_n=8)
+    streamed = m.generate("The capital of Italy is", **params)
+    # Reference: one token at a time, the penalty applied to every id generated so far.
+    ids = m.tokenize("The capital of Italy is")
+    expected = []
+    for _ in range(16):
+        logits = mx.array(m.logits(ids + expected)[-1])
+        window = (ids + expected)[-8:]
+        expected.append(int(mx.argmax(apply_repeat_penalty(logits, window, 1.3, 8)).item()))
+    assert streamed.token_ids == expected
+

@@ -16,7 +16,17 @@ from mlxllama.tokenizer import StreamingDetokenizer, Tokenizer
 
 HERE = Path(__file__).parent
 VOCAB_DIR = HERE / "fixtures" / "vocab"
+# The byte-level BPE vocabularies (2 to 8 MB each) are read from ../shared when they are not copied here.
+SHARED_VOCAB_DIR = HERE.parents[1] / "shared" / "fixtures" / "vocab"
 VOCABS = ("llama-spm", "phi-3")
+BPE_VOCABS = ("llama-bpe", "qwen2", "gpt-2", "deepseek-llm")
+
+
+def _vocab_path(name: str) -> Path | None:
+    for directory in (VOCAB_DIR, SHARED_VOCAB_DIR):
+        if (directory / f"ggml-vocab-{name}.gguf").is_file():
+            return directory / f"ggml-vocab-{name}.gguf"
+    return None
 
 
 def _chat_tiny_path() -> Path:
@@ -52,7 +62,8 @@ def phi3() -> Tokenizer:
 
 def _read_cases(name: str) -> list[tuple[str, list[int]]]:
     """Parse X.gguf.inp/.out exactly as llama.cpp's tests/test-tokenizer-0.cpp does."""
-    raw = (VOCAB_DIR / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
+    path = _vocab_path(name)
+    raw = Path(f"{path}.inp").read_bytes().decode("utf-8")
     sep = "\n__ggml_vocab_test__\n"
     inputs, pos = [], 0
     while pos < len(raw):  # the file ends with a separator, which yields no empty last case
@@ -62,14 +73,18 @@ def _read_cases(name: str) -> list[tuple[str, list[int]]]:
             break
         inputs.append(raw[pos:nxt])
         pos = nxt + len(sep)
-    lines = (VOCAB_DIR / f"ggml-vocab-{name}.gguf.out").read_bytes().decode("utf-8").split("\n")
+    lines = Path(f"{path}.out").read_bytes().decode("utf-8").split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     assert len(inputs) == len(lines) == 46
     return [(text, [int(x) for x in line.split()]) for text, line in zip(inputs, lines)]
 
 
-_CASES = [(name, i, text, ids) for name in VOCABS for i, (text, ids) in enumerate(_read_cases(name))]
+_CASES = [(name, i, text, ids) for name in VOCABS + BPE_VOCABS if _vocab_path(name)
+          for i, (text, ids) in enumerate(_read_cases(name))]
+_MISSING = [pytest.param(name, 0, "", [], id=f"{name}-missing",
+                         marks=pytest.mark.skip(reason=f"ggml-vocab-{name}.gguf not in {VOCAB_DIR} or {SHARED_VOCAB_DIR}"))
+            for name in VOCABS + BPE_VOCABS if not _vocab_path(name)]
 
 
 def test_case_file_format():
@@ -82,9 +97,10 @@ def test_case_file_format():
     assert cases["Hello world"] == [15043, 3186]
 
 
-@pytest.mark.parametrize("name,index,text,expected", _CASES, ids=[f"{c[0]}-{c[1]:02d}" for c in _CASES])
+@pytest.mark.parametrize("name,index,text,expected",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]:02d}") for c in _CASES] + _MISSING)
 def test_llama_cpp_vocab_cases(name, index, text, expected):
-    tok = _tokenizer(str(VOCAB_DIR / f"ggml-vocab-{name}.gguf"))
+    tok = _tokenizer(str(_vocab_path(name)))
     assert tok.encode(text, add_bos=False, special=False) == expected
 
 
@@ -377,8 +393,13 @@ def test_synthetic_without_byte_fallback():
 
 
 def test_errors():
-    with pytest.raises(MlxLlamaError, match="gpt2"):
+    with pytest.raises(MlxLlamaError, match="'bert'"):
+        Tokenizer.from_metadata(_synthetic([], **{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(MlxLlamaError, match="tokenizer.ggml.merges"):
         Tokenizer.from_metadata(_synthetic([], **{"tokenizer.ggml.model": "gpt2"}))
+    with pytest.raises(MlxLlamaError, match="'gpt-5'.*supported:.*llama-bpe"):
+        Tokenizer.from_metadata(_synthetic([], **{"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-5",
+                                                   "tokenizer.ggml.merges": []}))
     with pytest.raises(MlxLlamaError) as e:
         Tokenizer.from_metadata({"general.architecture": "llama"})
     assert "\n" not in str(e.value)

@@ -1,0 +1,159 @@
+"""`mlxllama bench`: prompt and generation throughput in the style of llama-bench.
+
+pp<P> feeds P random token ids into an empty cache (chunked prefill, as generation does) and
+reports prompt tokens/s; tg<N> starts from one token and decodes N more with greedy sampling,
+the host reading each token one step behind the device (as the generation loop does), and
+reports generated tokens/s summed over the batch. Each test runs once untimed (the first use of
+a kernel compiles it), then `repetitions` times; the table gives the median and the spread.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from . import gguf_loader
+from .cache import make_cache
+from .generate import prefill
+from .runtime import Runtime, load
+
+
+@dataclass
+class TestResult:
+    name: str  # pp512, tg128
+    batch: int
+    n_prompt: int
+    n_gen: int
+    samples: list[float]  # tokens/s of each repetition
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def stdev(self) -> float:
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+
+@dataclass
+class BenchReport:
+    model: str
+    mode: str  # native or dequantize
+    device: str
+    file_bytes: int
+    tensor_bytes: int
+    params: int
+    load_seconds: float
+    weight_bytes: int  # MLX memory held once the model is loaded
+    load_peak_bytes: int  # peak MLX memory while loading
+    run_peak_bytes: int  # peak MLX memory over the tests (weights, cache, activations)
+    tests: list[TestResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["weight_ratio"] = self.weight_bytes / self.tensor_bytes
+        out["load_peak_ratio"] = self.load_peak_bytes / self.tensor_bytes
+        out["tests"] = [
+            {**asdict(t), "tokens_per_second": t.median, "stdev": t.stdev, "min": min(t.samples), "max": max(t.samples)}
+            for t in self.tests
+        ]
+        return out
+
+
+def file_tensor_stats(path: str) -> tuple[int, int]:
+    """(bytes of tensor data, number of weights) in a GGUF file."""
+    gguf = gguf_loader.open_gguf(path)
+    tensors = gguf.tensors.values()
+    return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors)
+
+
+def random_ids(runtime: Runtime, batch: int, length: int, seed: int) -> list[list[int]]:
+    # Like llama-bench: random ids, so no tokenizer work or prompt text is involved.
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, runtime.config.vocab_size, size=(batch, length)).tolist()
+
+
+def time_prompt(runtime: Runtime, n_prompt: int, seed: int) -> float:
+    """Seconds to prefill n_prompt ids into a fresh cache."""
+    ids = random_ids(runtime, 1, n_prompt, seed)[0]
+    cache = runtime.new_cache()
+    start = time.perf_counter()
+    mx.eval(prefill(runtime.model, ids, cache))
+    return time.perf_counter() - start
+
+
+def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> float:
+    """Seconds for n_gen greedy decode steps of `batch` sequences after a one-token start."""
+    model = runtime.model
+    cache = make_cache(runtime.config.n_layers)
+    token = mx.argmax(model(mx.array(random_ids(runtime, batch, 1, seed)), cache)[:, -1:], axis=-1)
+    mx.eval(token)
+    start = time.perf_counter()
+    for _ in range(n_gen):
+        next_token = mx.argmax(model(token, cache)[:, -1:], axis=-1)
+        mx.async_eval(next_token)
+        token.tolist()  # the host takes each token while the next step runs, as generate_tokens does
+        token = next_token
+    token.tolist()
+    return time.perf_counter() - start
+
+
+def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
+        dequantize: bool = False, dtype: mx.Dtype | None = None) -> BenchReport:
+    """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test."""
+    tensor_bytes, params = file_tensor_stats(path)
+    # Memory is counted from here, so arrays that the calling process already holds are left out.
+    held_before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    runtime = load(path, dtype=dtype, dequantize=dequantize)
+    report = BenchReport(
+        model=os.path.basename(path), mode="dequantize" if dequantize else "native", device=device_name(),
+        file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
+        load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
+        load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,
+    )
+    mx.reset_peak_memory()
+    tests = []
+    if n_prompt:
+        tests.append((f"pp{n_prompt}", 1, n_prompt, 0, lambda seed: n_prompt / time_prompt(runtime, n_prompt, seed)))
+    if n_gen:
+        for b in batches:
+            tests.append((f"tg{n_gen}", b, 0, n_gen,
+                          lambda seed, b=b: b * n_gen / time_generation(runtime, b, n_gen, seed)))
+    for name, batch, pp, tg, measure in tests:
+        measure(repetitions)  # warm-up, on ids no timed run uses
+        report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)]))
+    report.run_peak_bytes = mx.get_peak_memory() - held_before
+    return report
+
+
+def device_name() -> str:
+    kind = "gpu" if mx.default_device() == mx.gpu else f"cpu ({os.cpu_count()} cores)"
+    return f"{kind} {mx.device_info().get('device_name', '')}".strip()
+
+
+def format_table(report: BenchReport) -> str:
+    """A llama-bench-like markdown table, then load time and memory."""
+    gib = report.tensor_bytes / 2**30
+    size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
+    rows = ["| model | size | params | mode | device | test | batch | t/s |",
+            "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |"]
+    for t in report.tests:
+        rows.append(
+            f"| {report.model} | {size} | {report.params / 1e9:.2f} B | {report.mode} | {report.device} | {t.name} "
+            f"| {t.batch} | {t.median:.2f} ± {t.stdev:.2f} |"
+        )
+    mib = 2**20
+    rows += [
+        "",
+        f"load: {report.load_seconds:.2f} s; weights held: {report.weight_bytes / mib:.1f} MiB = "
+        f"{report.weight_bytes / report.tensor_bytes:.3f} x the file's {report.tensor_bytes / mib:.1f} MiB of tensors "
+        f"(peak while loading {report.load_peak_bytes / report.tensor_bytes:.3f} x); "
+        f"peak during the tests: {report.run_peak_bytes / mib:.1f} MiB",
+    ]
+    return "\n".join(rows)

@@ -1,0 +1,105 @@
+"""`mlxllama inspect`: what a GGUF file holds, read from its header alone (no weights are loaded)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from typing import Any
+
+from .chat_template import match_builtin
+from .errors import MlxLlamaError
+from .gguf_loader import SUPPORTED_ARCHITECTURES, open_gguf, tensor_shape
+from .tokenizer import Tokenizer
+
+_TOKENIZER_KINDS = {"llama": "SentencePiece", "gpt2": "byte-level BPE"}
+
+
+def describe(path: str | os.PathLike) -> dict[str, Any]:
+    gguf = open_gguf(path)
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
+    tensors = list(gguf.tensors.values())
+    template = meta.get("tokenizer.chat_template")
+    return {
+        "file": gguf.path,
+        "name": meta.get("general.name"),
+        "architecture": arch,
+        "supported": arch in SUPPORTED_ARCHITECTURES,
+        # Every tensor counts, as llama.cpp's llama_model_n_params counts them.
+        "parameters": sum(math.prod(tensor_shape(t)) for t in tensors),
+        "context_length": meta.get(f"{arch}.context_length"),
+        "layers": meta.get(f"{arch}.block_count"),
+        "tokenizer": _tokenizer_info(meta),
+        "chat_template": None if template is None else {"builtin": match_builtin(template), "chars": len(template)},
+        "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in tensors).items())),
+        "tensors": len(tensors),
+        "file_bytes": os.path.getsize(gguf.path),
+        "tensor_bytes": sum(int(t.n_bytes) for t in tensors),
+    }
+
+
+def _tokenizer_info(meta: dict) -> dict[str, Any] | None:
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        return None
+    info: dict[str, Any] = {
+        "model": model,
+        "kind": _TOKENIZER_KINDS.get(model, "unsupported"),
+        "pre": meta.get("tokenizer.ggml.pre"),
+        "tokens": len(meta.get("tokenizer.ggml.tokens", ())),
+    }
+    try:
+        tok = Tokenizer.from_metadata(meta)
+    except MlxLlamaError as e:
+        return {**info, "error": str(e)}
+
+    def token(tid: int | None) -> dict | None:
+        return None if tid is None else {"id": tid, "text": tok.id_to_piece(tid)}
+
+    # The ids as llama.cpp resolves them (defaults, out-of-range ids, end-of-turn found by its text).
+    return {**info, "add_bos": tok.add_bos, "bos": token(tok.bos_id), "eos": token(tok.eos_id),
+            "eot": token(tok.eot_id), "stop_ids": sorted(tok.stop_ids)}
+
+
+def format_text(info: dict[str, Any]) -> str:
+    def token(t: dict | None) -> str:
+        return "none" if t is None else f"{t['id']} {t['text']!r}"
+
+    params = info["parameters"]
+    lines = [
+        ("file", f"{info['file']} ({info['file_bytes']:,} bytes, tensors {info['tensor_bytes']:,} bytes)"),
+        ("name", info["name"] or "-"),
+        ("architecture", f"{info['architecture']} ({'supported' if info['supported'] else 'not supported'})"),
+        ("parameters", f"{_short(params)} ({params:,})"),
+        ("context length", info["context_length"]),
+        ("layers", info["layers"]),
+    ]
+    tok = info["tokenizer"]
+    if tok is None:
+        lines.append(("tokenizer", "none"))
+    else:
+        pre = f", pre-tokenizer {tok['pre']}" if tok["pre"] else ""
+        lines.append(("tokenizer", f"{tok['kind']} ({tok['model']}){pre}, {tok['tokens']:,} tokens"))
+        if "error" in tok:
+            lines.append(("", f"cannot be used: {tok['error']}"))
+        else:
+            lines += [("BOS", token(tok["bos"]) + (" (added)" if tok["add_bos"] else "")),
+                      ("EOS", token(tok["eos"])), ("EOT", token(tok["eot"])),
+                      ("stop ids", " ".join(map(str, tok["stop_ids"])))]
+    template = info["chat_template"]
+    if template is None:
+        lines.append(("chat template", "none"))
+    else:
+        match = f"matches built-in '{template['builtin']}'" if template["builtin"] else "no built-in match"
+        lines.append(("chat template", f"{template['chars']:,} characters, {match}"))
+    types = ", ".join(f"{name} {count}" for name, count in info["tensor_types"].items())
+    lines.append(("tensor types", f"{types} ({info['tensors']} tensors)"))
+    return "\n".join(f"{label:<15}{value}" for label, value in lines)
+
+
+def _short(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,140 @@
+"""Native mode: a Transformer whose projections and embedding keep the file's quantized weights.
+
+Each quantized matrix is re-expressed in MLX's affine format (quants.to_affine) and the nn.Linear
+that uses it becomes a NativeLinear with that tensor's bits, so one model mixes types the way the
+file does (a Q4_K_M file holds Q4_K and Q6_K). The token embedding is only ever looked
+up, so unless it doubles as the output layer it keeps the file's own blocks and decodes the rows
+it needs, bit-exactly. Float tensors, norms and biases load as in dequantized mode; model.py stays plain.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from mlx.utils import tree_map_with_path
+
+from . import gguf_loader
+from .config import ModelConfig
+from .model import Transformer
+from .quants import AFFINE_GROUP_SIZE, AFFINE_TYPES, AffineWeight, decode_blocks, symmetric_biases, to_affine
+
+
+class Blocks(NamedTuple):
+    """A tensor as the file stores it: uint8 [rows, bytes per row] of `qtype` blocks."""
+
+    data: mx.array
+    qtype: GGMLQuantizationType
+
+
+# On a GPU, from this many rows on (prefill) a call expands its weight to float16 and uses the dense
+# matmul: on an H100, MLX's (0.32) quantized matmul is the faster one up to 64 rows and 2.5 times
+# slower at 512 (benchmarks/matmul_paths.py, dispatch_sweep.py; docs/benchmarks.md).
+DENSE_MIN_ROWS = 128
+# Types whose weights a GPU always expands: decoding a Q3_K model through MLX's CUDA quantized matmul
+# drifted from llama.cpp (the greedy and "Rome" parity tests failed) while the expanded weight passes.
+GPU_EXPANDED_TYPES = frozenset({GGMLQuantizationType.Q3_K})
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in the file's blocks; a lookup decodes only the rows it gathers."""
+
+    def __init__(self, table: Blocks):
+        super().__init__()
+        self.weight = table.data
+        self.block_bytes = GGML_QUANT_SIZES[table.qtype][1]
+        # Compiled, the decoder's dozen elementwise steps run as a few fused kernels.
+        self._decode = mx.compile(partial(decode_blocks, qtype=table.qtype))
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = self.weight[ids]
+        return self._decode(rows.reshape(-1, self.block_bytes)).reshape(*ids.shape, -1)
+
+
+class NativeLinear(nn.Module):
+    """A projection whose weight stays in MLX's affine format (quants.AffineWeight).
+
+    Without stored biases (the 8-bit symmetric grid of Q6_K and Q3_K) the biases, -128 x scales,
+    are derived on each call, which keeps the weight at 8.5 bits instead of 9.
+    """
+
+    def __init__(self, weight: AffineWeight, output_bias: bool):
+        super().__init__()
+        self.weight, self.scales, self.bits = weight.weight, weight.scales, weight.bits
+        self.expand_rows = 1 if weight.qtype in GPU_EXPANDED_TYPES else DENSE_MIN_ROWS
+        if weight.biases is not None:
+            self.biases = weight.biases
+        if output_bias:
+            self.bias = mx.zeros((weight.weight.shape[0],))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        biases = self.biases if "biases" in self else symmetric_biases(self.scales)
+        # As one 2-D product: on an H100 a [batch, 1, in] input made batched decoding 3.8 times
+        # slower than the same rows as [batch, in].
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= self.expand_rows and mx.default_device() == mx.gpu:
+            w = mx.dequantize(self.weight, self.scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+            y = rows @ w.astype(x.dtype).T
+        else:
+            y = mx.quantized_matmul(rows, self.weight, self.scales, biases, transpose=True,
+                                    group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y + self.bias if "bias" in self else y
+
+
+def load_weights(gguf: gguf_loader.GGUFFile, config: ModelConfig,
+                 dtype: mx.Dtype) -> dict[str, mx.array | AffineWeight | Blocks]:
+    """What gguf_loader.load_weights gives, except that quantized matrices stay quantized.
+
+    Each tensor is converted and evaluated before the next is read, so the peak is the finished
+    weights plus one slice's intermediates.
+    """
+    weights: dict[str, mx.array | AffineWeight | Blocks] = {}
+    for name, shape in gguf_loader.checked_shapes(gguf, config).items():
+        tensor = gguf.tensors[name]
+        quantized = len(shape) == 2 and tensor.tensor_type in AFFINE_TYPES
+        if quantized and name == "token_embd.weight" and not config.tied_output:
+            weights[name] = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
+        elif quantized:
+            affine = to_affine(tensor.data, tensor.tensor_type, shape)
+            # A fused tensor splits by rows, which every part of the affine form keeps.
+            parts = [None if a is None else gguf_loader.split_fused(name, a, config) for a in affine[:3]]
+            for part in parts[0]:
+                arrays = (None if p is None else p[part] for p in parts)
+                weights[part] = AffineWeight(*arrays, affine.bits, affine.qtype)
+        else:
+            is_norm = len(shape) == 1 and not name.endswith(".bias")
+            array = gguf_loader.tensor_to_mlx(gguf, tensor, mx.float32 if is_norm else dtype)
+            mx.eval(array)
+            weights.update(gguf_loader.split_fused(name, array, config))
+    return weights
+
+
+def _quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Module:
+    """The layer that takes `weight` in place of `module` (an nn.Linear or nn.Embedding)."""
+    if isinstance(weight, Blocks):
+        return BlockEmbedding(weight)
+    if isinstance(module, nn.Embedding):
+        # Tied to the output layer: it needs the matmul form.
+        layer = nn.QuantizedEmbedding(*module.weight.shape, group_size=AFFINE_GROUP_SIZE, bits=weight.bits)
+        layer.weight, layer.scales, layer.biases = weight.weight, weight.scales, weight.full_biases()
+        return layer
+    return NativeLinear(weight, "bias" in module)
+
+
+def build(gguf: gguf_loader.GGUFFile, config: ModelConfig, dtype: mx.Dtype) -> Transformer:
+    """The model with every quantized layer swapped for its quantized counterpart, weights loaded."""
+    weights = load_weights(gguf, config, dtype)
+    model = Transformer(config, dtype)
+
+    def swap(path: str, module: nn.Module) -> nn.Module:
+        weight = weights.get(f"{path}.weight")
+        return _quantized_layer(module, weight) if isinstance(weight, (AffineWeight, Blocks)) else module
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    # Dense tensors and the biases of quantized layers; the swapped layers already hold the rest.
+    model.load_weights([(n, w) for n, w in weights.items() if isinstance(w, mx.array)], strict=False)
+    return model

@@ -1,0 +1,307 @@
+"""Seeing inside a forward pass: per-layer statistics, the top tokens at each step, and hidden-state dumps.
+
+`trace` feeds a prompt through the model with the real KV cache, then generates greedily, one
+token per step, recording what each layer produced. Two dumps (ours, or another implementation's
+written in the same format) are compared by `compare_dumps`, which names the first layer and
+position that diverge, so a wrong runtime can be bisected to one layer instead of guessed at.
+
+Dump format (a directory, version 1)
+------------------------------------
+`meta.json`, an object; only "token_ids" is required, the rest is informative:
+    "format": "mlxllama-trace", "version": 1,
+    "token_ids": the id fed at each position, in order (the prompt, then the generated tokens fed back),
+    "prompt_length", "model", "n_layers", "hidden_size", "dtype": "float32".
+One `.npy` file per recorded tensor, each float32 of shape [positions, hidden], row p holding
+the value for the token at position p:
+    `embd.npy`                 token embeddings, the input of layer 0 (llama.cpp's `embd` or `inp_embd`)
+    `layer_{i:03d}_attn.npy`   layer i's attention output after its output projection, before it is
+                               added to the residual stream (llama.cpp's `attn_out-{i}`)
+    `layer_{i:03d}_mlp.npy`    layer i's MLP output, before it is added (llama.cpp's first `ffn_out-{i}`)
+    `layer_{i:03d}_resid.npy`  the residual stream after layer i (llama.cpp's `l_out-{i}`)
+Layers count from 0. A dump may hold any subset of these files; compare uses those in both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache
+from .errors import MlxLlamaError
+from .files import write_text_atomic
+from .model import Transformer, causal_mask
+from .tokenizer import Tokenizer
+
+DUMP_FORMAT = "mlxllama-trace"
+DUMP_VERSION = 1
+KINDS = ("attn", "mlp", "resid")
+# Per position, the largest ||a - b|| / ||b|| that still counts as the same. Two correct
+# implementations with the same F16 weights agree to about 1e-3; llama.cpp's CPU backend rounds
+# activations to 8 bits before quantized matrix products, which alone makes 1-6% on chat-tiny
+# Q4_K_M; a real bug (wrong RoPE, a misread block) makes tens of percent.
+DEFAULT_TOLERANCE = 0.1
+_LAYER_FILE = re.compile(r"layer_(\d{3})_(attn|mlp|resid)\.npy")
+
+
+@dataclass
+class Stats:
+    rms: float
+    min: float
+    max: float
+    mean: float
+
+
+@dataclass
+class Candidate:
+    token_id: int
+    logit: float
+    text: str
+
+
+@dataclass
+class Pass:
+    """One forward call: the prompt (prefill) or one generated token fed back."""
+
+    token_ids: list[int]
+    first_position: int
+    cache_length: int  # positions in the cache after this pass
+    stats: dict[str, Stats]  # by dump name ("embd", "layer_000_attn", ...), in computation order
+    top: list[Candidate]  # the likeliest next tokens after this pass, best first
+
+
+@dataclass
+class Trace:
+    passes: list[Pass]
+    # Per dump name ("embd", "layer_000_attn", ...), float32 [positions, hidden]; kept only when dumping.
+    hidden: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for p in self.passes for t in p.token_ids]
+
+
+def stats_of(x: mx.array) -> Stats:
+    x = x.astype(mx.float32)
+    values = mx.stack([mx.sqrt(mx.mean(x * x)), mx.min(x), mx.max(x), mx.mean(x)]).tolist()
+    return Stats(*values)
+
+
+def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> tuple[mx.array, dict]:
+    """Transformer.__call__ for one sequence, keeping each layer's pieces; -> (logits [length, vocab], pieces).
+
+    It repeats Block.__call__'s two residual additions to see what each adds; the tests check
+    that its logits are the model's.
+    """
+    h = model.token_embd(mx.array([list(ids)])).astype(model.compute_dtype)
+    mask = causal_mask(len(ids), cache[0].offset)
+    pieces = {"embd": h[0]}
+    for i, block in enumerate(model.blk):
+        attn = block.attention(block.attn_norm(h), mask, cache[i])
+        h = h + attn
+        mlp = block.mlp(block.ffn_norm(h))
+        h = h + mlp
+        pieces.update({f"layer_{i:03d}_attn": attn[0], f"layer_{i:03d}_mlp": mlp[0], f"layer_{i:03d}_resid": h[0]})
+    return model.head(h)[0], pieces
+
+
+def stats_label(name: str) -> str:
+    """'layer_003_mlp' -> '3.mlp'; 'embd' stays."""
+    match = re.fullmatch(r"layer_(\d{3})_(\w+)", name)
+    return f"{int(match.group(1))}.{match.group(2)}" if match else name
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    # Control tokens decode to nothing; their vocabulary text ("</s>") says which one it is.
+    return tokenizer.id_to_piece(token_id) if tokenizer.is_control(token_id) else tokenizer.decode([token_id])
+
+
+def top_candidates(logits: mx.array, tokenizer: Tokenizer, k: int) -> list[Candidate]:
+    order = mx.argsort(-logits)[:k].tolist()
+    values = logits[mx.array(order)].tolist()
+    return [Candidate(t, v, token_text(tokenizer, t)) for t, v in zip(order, values)]
+
+
+def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], cache: list[KVCache],
+          steps: int = 1, top_k: int = 5, keep_hidden: bool = False) -> Trace:
+    """Prefill prompt_ids, then feed back `steps - 1` greedy tokens, recording every pass.
+
+    Each pass predicts one token, so `steps` passes give `steps` predictions; generation stops
+    early at a stop token or at the end of the context.
+    """
+    if not prompt_ids:
+        raise MlxLlamaError("trace needs at least one prompt token")
+    context = model.config.context_length
+    if len(prompt_ids) > context:
+        raise MlxLlamaError(f"prompt is {len(prompt_ids)} tokens, more than the model's context of {context}")
+    passes, hidden = [], {}
+    ids = list(prompt_ids)
+    while True:
+        first_position = cache[0].offset
+        logits, pieces = _traced_forward(model, ids, cache)
+        mx.eval(logits, pieces)
+        passes.append(Pass(ids, first_position, cache[0].offset, {n: stats_of(x) for n, x in pieces.items()},
+                           top_candidates(logits[-1], tokenizer, top_k)))
+        if keep_hidden:
+            for name, x in pieces.items():
+                hidden.setdefault(name, []).append(np.array(x.astype(mx.float32)))
+        token = passes[-1].top[0].token_id
+        if len(passes) >= steps or token in tokenizer.stop_ids or cache[0].offset >= context:
+            break
+        ids = [token]
+    return Trace(passes, {name: np.concatenate(rows) for name, rows in hidden.items()})
+
+
+def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, model_path: str,
+               model: Transformer) -> None:
+    out = Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # meta.json goes first and comes back last: a dump cut short has none, and compare refuses it.
+        (out / "meta.json").unlink(missing_ok=True)
+        for name, rows in result.hidden.items():
+            np.save(out / f"{name}.npy", rows.astype(np.float32))
+        meta = {
+            "format": DUMP_FORMAT, "version": DUMP_VERSION, "model": model_path, "token_ids": result.token_ids,
+            "prompt_length": prompt_length, "n_layers": model.config.n_layers,
+            "hidden_size": model.config.hidden_size, "dtype": "float32",
+        }
+        write_text_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
+    except OSError as e:
+        raise MlxLlamaError(f"{directory}: cannot write the dump ({e.strerror})")
+
+
+# ---- comparing dumps -----------------------------------------------------------------------
+
+
+@dataclass
+class LayerDiff:
+    name: str  # dump name, e.g. "layer_002_mlp"
+    max_error: float  # the largest relative error of a row (position)
+    position: int  # where it is largest
+    first_diverging: int | None  # the first position whose error exceeds the tolerance
+    first_error: float | None  # the error there
+
+
+@dataclass
+class Comparison:
+    tolerance: float
+    positions: int  # positions compared: the common prefix of both dumps' token ids
+    layers: list[LayerDiff]  # in computation order
+    notes: list[str]
+
+    @property
+    def first_divergence(self) -> LayerDiff | None:
+        return next((d for d in self.layers if d.first_diverging is not None), None)
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise MlxLlamaError(f"{path}: cannot read the dump's meta.json ({e.strerror})")
+    except ValueError as e:
+        raise MlxLlamaError(f"{path}: not valid JSON ({e})")
+    if not isinstance(meta, dict) or not isinstance(meta.get("token_ids"), list):
+        raise MlxLlamaError(f"{path}: expected a JSON object with a 'token_ids' list")
+    return meta
+
+
+def dump_names(directory: str | os.PathLike) -> list[str]:
+    """The dump's tensor names in computation order: embd, then each layer's attn, mlp, resid."""
+    names = [p.name for p in Path(directory).iterdir()]
+    layers = sorted((int(m.group(1)), KINDS.index(m.group(2))) for m in map(_LAYER_FILE.fullmatch, names) if m)
+    return (["embd"] if "embd.npy" in names else []) + [f"layer_{i:03d}_{KINDS[k]}" for i, k in layers]
+
+
+def _load_rows(directory: str | os.PathLike, name: str, positions: int) -> np.ndarray:
+    path = Path(directory) / f"{name}.npy"
+    try:
+        rows = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise MlxLlamaError(f"{path}: cannot read ({e})")
+    if rows.ndim != 2 or rows.shape[0] < positions:
+        raise MlxLlamaError(f"{path}: expected [positions >= {positions}, hidden], found shape {list(rows.shape)}")
+    return rows[:positions].astype(np.float64)
+
+
+def row_errors(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per position, ||a - b|| / ||b||: scale-free, so one tolerance serves every layer."""
+    scale = np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+    return np.linalg.norm(a - b, axis=1) / scale
+
+
+def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
+                  tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
+    """Compare dump A against reference dump B, position by position, in computation order."""
+    ids_a, ids_b = read_meta(dir_a)["token_ids"], read_meta(dir_b)["token_ids"]
+    positions = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+    if positions == 0:
+        raise MlxLlamaError(f"{dir_a} and {dir_b} start with different token ids; nothing to compare")
+    notes = []
+    if positions < min(len(ids_a), len(ids_b)):
+        notes.append(f"the token ids differ from position {positions} on; only the positions before it are compared")
+    elif positions < max(len(ids_a), len(ids_b)):
+        notes.append(f"the dumps have {len(ids_a)} and {len(ids_b)} positions; the first {positions} are compared")
+    names_a, names_b = dump_names(dir_a), dump_names(dir_b)
+    only = sorted(set(names_a) ^ set(names_b))
+    if only:
+        notes.append(f"in one dump only, not compared: {', '.join(only)}")
+    layers = []
+    for name in (n for n in names_a if n in names_b):
+        a, b = _load_rows(dir_a, name, positions), _load_rows(dir_b, name, positions)
+        if a.shape != b.shape:
+            raise MlxLlamaError(f"{name}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
+        # A NaN or infinity on either side counts as the largest possible error.
+        errors = np.nan_to_num(row_errors(a, b), nan=np.inf, posinf=np.inf)
+        over = np.flatnonzero(errors > tolerance)
+        worst = int(np.argmax(errors))
+        first = int(over[0]) if len(over) else None
+        first_error = None if first is None else float(errors[first])
+        layers.append(LayerDiff(name, float(errors[worst]), worst, first, first_error))
+    if not layers:
+        raise MlxLlamaError(f"{dir_a} and {dir_b} have no tensor in common")
+    return Comparison(tolerance, positions, layers, notes)
+
+
+# ---- text reports ----------------------------------------------------------------------------
+
+
+def format_pass(number: int, result: Pass, tokenizer: Tokenizer) -> str:
+    if number == 1:
+        fed = f"prompt, positions {result.first_position}-{result.cache_length - 1} ({len(result.token_ids)} tokens)"
+    else:
+        token = result.token_ids[0]
+        text = json.dumps(token_text(tokenizer, token), ensure_ascii=False)
+        fed = f"token {token} {text} at position {result.first_position}"
+    lines = [f"pass {number}: {fed}, cache length {result.cache_length}",
+             f"  {'layer':<10} {'rms':>11} {'min':>11} {'max':>11} {'mean':>11}"]
+    for name, s in result.stats.items():
+        lines.append(f"  {stats_label(name):<10} {s.rms:11.5g} {s.min:11.5g} {s.max:11.5g} {s.mean:11.5g}")
+    lines.append("  next: " + " | ".join(
+        f"{c.token_id} {json.dumps(c.text, ensure_ascii=False)} {c.logit:.4f}" for c in result.top))
+    return "\n".join(lines)
+
+
+def format_comparison(comparison: Comparison, dir_a: str, dir_b: str) -> str:
+    lines = [f"comparing {dir_a} against {dir_b}: {comparison.positions} positions, tolerance "
+             f"{comparison.tolerance:g} (per position: ||a - b|| / ||b||)"]
+    lines += [f"note: {note}" for note in comparison.notes]
+    lines.append(f"  {'layer':<10} {'max error':>11} {'at':>5}  first over")
+    for d in comparison.layers:
+        over = "-" if d.first_diverging is None else str(d.first_diverging)
+        lines.append(f"  {stats_label(d.name):<10} {d.max_error:11.4g} {d.position:>5}  {over}")
+    first = comparison.first_divergence
+    if first is None:
+        lines.append(f"no divergence: every position of every layer is within {comparison.tolerance:g}")
+    else:
+        lines.append(f"first divergence: layer {stats_label(first.name)} ({first.name}.npy) at position "
+                     f"{first.first_diverging}: error {first.first_error:.4g} > {comparison.tolerance:g}")
+    return "\n".join(lines)

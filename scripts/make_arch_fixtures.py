@@ -1,0 +1,262 @@
+"""Make the small Llama 3, Qwen2 and Phi-3 fixtures and record llama.cpp's logits for them.
+
+Each fixture is a Hugging Face `transformers` model built from a config with random weights and a
+real tokenizer cut down to its first few thousand pieces (Llama 3's and Qwen2's byte-level BPE,
+Phi-3's SentencePiece, taken from llama.cpp's vocab files in ../shared/fixtures/vocab), converted
+by llama.cpp's own convert_hf_to_gguf.py and quantized by its quantizer. The converter recognizes a
+BPE pre-tokenizer by hashing a full vocabulary's output, which a cut-down one cannot reproduce, so
+the pre-tokenizer name is pinned to the original vocabulary's (tokenizer.ggml.pre).
+
+Two Pythons do the work: one with torch and transformers converts, one with llama-cpp-python
+quantizes and records the references (the same llama.cpp version as the converter):
+
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36
+    tar xzf llama_cpp_python-0.3.36.tar.gz     # llama.cpp is under vendor/llama.cpp
+    python -m venv conv && conv/bin/pip install torch==2.13.0 transformers sentencepiece safetensors protobuf
+    conv/bin/python scripts/make_arch_fixtures.py convert --llama-cpp llama_cpp_python-0.3.36/vendor/llama.cpp
+    python scripts/make_arch_fixtures.py quantize  # the Python with llama-cpp-python 0.3.36
+
+`convert` writes F32 GGUFs to --work (default /tmp/mlxllama-arch); `quantize` writes
+tests/fixtures/<name>.gguf and tests/reference/arch/<name>.npz (see make_llama_reference.py for
+what a reference holds, and PROMPTS below for the prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB_DIR = ROOT.parent / "shared" / "fixtures" / "vocab"
+TEMPLATES = ROOT / "templates"
+FIXTURES = ROOT / "tests" / "fixtures"
+REFERENCES = ROOT / "tests" / "reference" / "arch"
+SEED = 1234
+# Normal tokens kept from each vocabulary: the byte alphabet and the commonest merges.
+KEPT_TOKENS = 3000
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# Large enough that the logits are peaked (clear argmaxes to compare), small enough to stay finite.
+INIT_STD = 0.06
+
+# name -> vocabulary, special tokens kept (in order, after the normal ones), chat template, llama.cpp file type
+FIXTURE_SPECS = {
+    "llama3-tiny-Q6_K": dict(
+        vocab="llama-bpe", template="llama3", ftype="Q6_K",
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"],
+        bos="<|begin_of_text|>", eos="<|eot_id|>"),
+    "qwen2-tiny-Q8_0": dict(
+        vocab="qwen2", template="chatml", ftype="Q8_0",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>"),
+    "phi3-tiny-Q5_K_M": dict(
+        vocab="phi-3", template="phi3", ftype="Q5_K_M",
+        specials=["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+                  "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"],
+        bos="<s>", eos="<|endoftext|>"),
+}
+QUESTION = "What is the capital of Japan?"
+PLAIN = "The capital of Italy is Rome. It's 2024: naïve café, 東京 and 🦙 — isn't it 3.14?"
+PROMPTS = {
+    "llama3-tiny-Q6_K": {
+        "chat": "<|start_header_id|>user<|end_header_id|>\n\n" + QUESTION  # llama.cpp adds the BOS
+                + "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "plain": PLAIN,
+    },
+    "qwen2-tiny-Q8_0": {
+        "chat": f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n",
+        "plain": PLAIN,
+    },
+    "phi3-tiny-Q5_K_M": {
+        "chat": f"<|user|>\n{QUESTION}<|end|>\n<|assistant|>\n",
+        "plain": PLAIN,
+    },
+}
+
+
+# ---- convert (torch, transformers, llama.cpp's converter) ----------------------------------------
+
+def read_vocab(name: str) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(VOCAB_DIR / f"ggml-vocab-{name}.gguf")
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+def bpe_tokenizer(spec: dict, out: Path) -> int:
+    """tokenizer.json and tokenizer_config.json: the vocabulary's first tokens, the merges among them, its specials."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = read_vocab(spec["vocab"])
+    tokens, types = vocab["tokenizer.ggml.tokens"], vocab["tokenizer.ggml.token_type"]
+    kept = [t for i, t in enumerate(tokens[:KEPT_TOKENS]) if types[i] == 1]
+    kept_set = set(kept)
+    merges = []
+    for merge in vocab["tokenizer.ggml.merges"]:
+        left, right = merge.split(" ", 1)
+        if left in kept_set and right in kept_set and left + right in kept_set:
+            merges.append((left, right))
+    llama3 = spec["vocab"] == "llama-bpe"
+    model = models.BPE(vocab={t: i for i, t in enumerate(kept)}, merges=merges, ignore_merges=llama3)
+    tokenizer = Tokenizer(model)
+    digits = r"\p{N}{1,3}" if llama3 else r"\p{N}"
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
+               + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["specials"]])
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec["bos"],
+        "eos_token": spec["eos"],
+        "chat_template": (TEMPLATES / f"{spec['template']}.jinja").read_text(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+    return len(kept) + len(spec["specials"])
+
+
+def spm_tokenizer(spec: dict, out: Path) -> int:
+    """tokenizer.model (the vocabulary's first pieces, byte fallback) and its added tokens in tokenizer_config.json."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    vocab = read_vocab(spec["vocab"])
+    tokens, scores, types = (vocab[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    proto = sp_pb2.ModelProto()
+    for text, score, kind in zip(tokens[:KEPT_TOKENS], scores, types):
+        piece = proto.pieces.add()
+        piece.piece, piece.score, piece.type = text, score, kind
+    proto.trainer_spec.model_type = sp_pb2.TrainerSpec.BPE
+    proto.trainer_spec.vocab_size = KEPT_TOKENS
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 0, 1, 2
+    proto.trainer_spec.pad_id = -1
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = True
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    (out / "tokenizer.model").write_bytes(proto.SerializeToString())
+    original_type = {t: types[i] for i, t in enumerate(tokens)}
+    added = {
+        str(KEPT_TOKENS + i): {"content": t, "special": original_type[t] == 3, "normalized": False,
+                               "lstrip": False, "rstrip": False, "single_word": False}
+        for i, t in enumerate(spec["specials"])
+    }
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": spec["bos"],
+        "eos_token": spec["eos"],
+        "unk_token": "<unk>",
+        "added_tokens_decoder": added,
+        "chat_template": (TEMPLATES / f"{spec['template']}.jinja").read_text(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+    return KEPT_TOKENS + len(spec["specials"])
+
+
+def hf_model(name: str, vocab_size: int, token_ids: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(SHAPE, vocab_size=vocab_size, initializer_range=INIT_STD, **token_ids)
+    if name.startswith("llama3"):
+        # Llama 3.2's RoPE: theta 500000 with llama3 scaling, which the converter turns into rope_freqs.
+        config = LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192})
+        model = LlamaForCausalLM(config)
+    elif name.startswith("qwen2"):
+        config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen2ForCausalLM(config)
+    else:
+        # Phi-3-mini-128k's LongRoPE: short/long factors per rotated pair, and an attention factor.
+        half = SHAPE["hidden_size"] // SHAPE["num_attention_heads"] // 2
+        gen = torch.Generator().manual_seed(SEED)
+        short = (1.0 + 2.0 * torch.rand(half, generator=gen)).tolist()
+        long = (1.0 + 20.0 * torch.rand(half, generator=gen)).tolist()
+        config = Phi3Config(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+                            original_max_position_embeddings=4096, pad_token_id=None,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                             "long_factor": long, "original_max_position_embeddings": 4096})
+        model = Phi3ForCausalLM(config)
+    # transformers starts biases at 0 and norms at 1, which would leave them untested.
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in pname:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    return model
+
+
+def convert(args) -> None:
+    import torch
+
+    llama_cpp = Path(args.llama_cpp).resolve()
+    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    import convert_hf_to_gguf
+    from conversion import base
+
+    work = Path(args.work)
+    for name, spec in FIXTURE_SPECS.items():
+        torch.manual_seed(SEED)
+        out = work / name.rsplit("-", 1)[0]  # the directory name becomes general.name (phi3 needs "phi3" in it)
+        out.mkdir(parents=True, exist_ok=True)
+        make_tokenizer = bpe_tokenizer if spec["vocab"] != "phi-3" else spm_tokenizer
+        n_vocab = make_tokenizer(spec, out)
+        first_special = n_vocab - len(spec["specials"])
+        ids = {f"{k}_token_id": first_special + spec["specials"].index(spec[k]) if spec[k] in spec["specials"] else 1
+               for k in ("bos", "eos") if spec[k] is not None}
+        hf_model(name, n_vocab, ids).save_pretrained(out)
+        # The cut-down vocabulary cannot match the converter's hash of a full one: pin the name.
+        pre = read_vocab(spec["vocab"]).get("tokenizer.ggml.pre", "default")
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+        sys.argv = ["convert_hf_to_gguf.py", str(out), "--outtype", "f32", "--outfile", str(work / f"{name}-F32.gguf")]
+        convert_hf_to_gguf.main()
+
+
+# ---- quantize and record (llama-cpp-python) -----------------------------------------------------
+
+def quantize(args) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llama_cpp
+    import numpy as np
+    from make_llama_reference import reference  # also switches off llama.cpp's extra buffer types
+
+    work = Path(args.work)
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    for name, spec in FIXTURE_SPECS.items():
+        target = FIXTURES / f"{name}.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{spec['ftype']}")
+        params.nthread = 2
+        if llama_cpp.llama_model_quantize(str(work / f"{name}-F32.gguf").encode(), str(target).encode(), params) != 0:
+            raise SystemExit(f"quantizing {name} failed")
+        record = reference(target, PROMPTS[name])
+        for prompt, text in PROMPTS[name].items():
+            record[f"{prompt}/text"] = np.array(text)
+        np.savez_compressed(REFERENCES / f"{name}.npz", **record)
+        print(name, target.stat().st_size, {k: record[k].tolist() for k in record if k.endswith("greedy")})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    conv = sub.add_parser("convert")
+    conv.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)")
+    conv.add_argument("--work", default="/tmp/mlxllama-arch")
+    quant = sub.add_parser("quantize")
+    quant.add_argument("--work", default="/tmp/mlxllama-arch")
+    args = parser.parse_args()
+    convert(args) if args.step == "convert" else quantize(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Llama 3, Qwen2 and Phi-3 against llama.cpp: tokenization, logits (KL), argmax and greedy ids.
+
+The fixtures (tests/fixtures/{llama3,qwen2,phi3}-tiny-*.gguf) are random-weight transformers models
+with real, cut-down tokenizers, converted and quantized by llama.cpp's own tools; the references
+(tests/reference/arch/*.npz) hold llama.cpp's ids and logits for their prompts. Both were made by
+scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxllama
+
+from conftest import find_fixture_model
+from test_llama_parity import MAX_MEAN_KL, NEAR_TIE, kl_per_position
+
+REFERENCE_DIR = Path(__file__).parent / "reference" / "arch"
+REFERENCES = sorted(p.stem for p in REFERENCE_DIR.glob("*.npz"))
+PROMPTS = ("chat", "plain")
+# Random weights give flatter distributions than a trained model's, so fewer positions clear
+# NEAR_TIE than test_llama_parity.py asks of its fixtures; the KL bar still covers every position.
+MIN_DECIDED = 0.5
+
+
+@lru_cache(maxsize=1)
+def model(name: str):
+    return mlxllama.load(find_fixture_model(f"{name}.gguf"))
+
+
+def reference(name: str) -> dict:
+    with np.load(REFERENCE_DIR / f"{name}.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+def test_every_architecture_has_a_reference():
+    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "phi3"}
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_tokenization_matches_llama_cpp(name):
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        assert m.tokenize(str(ref[f"{prompt}/text"]), special=True) == ref[f"{prompt}/ids"].tolist(), prompt
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_logits_match_llama_cpp(name):
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        ids = ref[f"{prompt}/ids"].tolist()
+        ours = m.logits(ids)
+        top_logits = ref[f"{prompt}/top_logits"]
+        decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
+        assert decided.mean() > MIN_DECIDED, f"{name} {prompt}: too few positions with a clear winner to compare"
+        np.testing.assert_array_equal(
+            ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0], err_msg=f"{name} {prompt}"
+        )
+        kl = kl_per_position(ref, prompt, ours)
+        assert kl.mean() < MAX_MEAN_KL, f"{name} {prompt}: mean KL {kl.mean():.2e}, max {kl.max():.2e}"
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_greedy_continuation_matches_llama_cpp(name):
+    m, ref = model(name), reference(name)
+    for prompt in PROMPTS:
+        expected = ref[f"{prompt}/greedy"].tolist()
+        near_ties = np.nonzero(ref[f"{prompt}/greedy_margin"] < NEAR_TIE)[0]
+        compared = int(near_ties[0]) if near_ties.size else len(expected)
+        result = m.generate(ref[f"{prompt}/ids"].tolist(), max_tokens=len(expected))
+        assert result.token_ids[:compared] == expected[:compared], f"{name} {prompt}"
+
+
+def test_each_fixture_exercises_its_architecture():
+    llama3, qwen2, phi3 = (model(next(n for n in REFERENCES if n.startswith(a))).config
+                           for a in ("llama3", "qwen2", "phi3"))
+    # Llama 3: rope_freqs from the llama3 RoPE scaling, adjacent-pair RoPE, tied output
+    assert (llama3.architecture, llama3.rope_traditional, llama3.tied_output) == ("llama", True, True)
+    assert llama3.rope_freq_factors[0] == 1.0 and llama3.rope_freq_factors[-1] == 32.0
+    # Qwen2: Q/K/V biases, NeoX RoPE
+    assert (qwen2.architecture, qwen2.attn_bias, qwen2.rope_traditional) == ("qwen2", True, False)
+    # Phi-3: fused QKV and gate/up, LongRoPE short factors and attention factor, untied output
+    assert (phi3.architecture, phi3.fused_qkv, phi3.fused_gate_up, phi3.tied_output) == ("phi3", True, True, False)
+    assert phi3.rope_freq_factors is not None and phi3.rope_attn_factor > 1.0

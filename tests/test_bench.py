@@ -1,0 +1,74 @@
+"""`mlxllama bench` and the synthetic real-size files it can generate (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+from click.testing import CliRunner
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+import mlxllama
+from mlxllama import synthetic
+from mlxllama.cli import main
+
+
+def run_bench(*args: str) -> dict:
+    result = CliRunner().invoke(main, ["bench", "-p", "16", "-n", "4", "-r", "1", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_bench_json_reports_each_test_and_memory():
+    report = run_bench("-b", "1,2")
+    assert report["mode"] == "native"
+    assert [(t["name"], t["batch"]) for t in report["tests"]] == [("pp16", 1), ("tg4", 1), ("tg4", 2)]
+    for test in report["tests"]:
+        assert len(test["samples"]) == 1 and test["tokens_per_second"] > 0
+        assert test["min"] <= test["tokens_per_second"] <= test["max"]
+    assert report["load_seconds"] > 0 and report["params"] > 0
+    assert 0 < report["tensor_bytes"] <= report["file_bytes"]
+    # The bundled Q4_K_M model, run quantized: Q4_K at 5 bits, Q6_K at 8.5 bits, the embedding as stored.
+    assert 1.0 < report["weight_ratio"] < 1.25
+    assert report["run_peak_bytes"] >= report["weight_bytes"] * 0.9
+
+
+def test_bench_dequantize_holds_float_weights():
+    report = run_bench("--dequantize", "-n", "0")
+    assert report["mode"] == "dequantize" and [t["name"] for t in report["tests"]] == ["pp16"]
+    assert report["weight_ratio"] > 4  # float32 on the CPU
+
+
+def test_bench_rejects_bad_batch_list():
+    result = CliRunner().invoke(main, ["bench", "-b", "1,x"])
+    assert result.exit_code == 2 and "--batch" in result.output
+
+
+def test_tinyllama_layout_is_the_published_q4_k_m():
+    layout = synthetic.tensor_types(synthetic.SHAPES["tinyllama-1.1b"])
+    assert len(layout) == 2 + 22 * 9 + 1
+    assert layout["token_embd.weight"] == ((32000, 2048), QT.Q4_K)
+    assert layout["output.weight"] == ((32000, 2048), QT.Q6_K)
+    assert layout["blk.0.attn_k.weight"] == ((256, 2048), QT.Q4_K)
+    assert layout["blk.3.ffn_down.weight"] == ((2048, 5632), QT.Q4_K)
+    q6_layers = sorted(int(n.split(".")[1]) for n, (_, t) in layout.items() if t == QT.Q6_K and "ffn_down" in n)
+    assert q6_layers == [0, 1, 4, 7, 10, 13, 16, 19, 20, 21]
+    # What llama.cpp logs loading the published file: f32 45, q4_K 135, q6_K 21 tensors.
+    assert Counter(t for _, t in layout.values()) == {QT.Q4_K: 135, QT.Q6_K: 21, QT.F32: 45}
+    size = sum(np.prod(s) // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for s, t in layout.values())
+    assert size == 667_078_656  # ~636 MiB of tensors, like the published 669 MB file
+
+
+def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
+    """A scaled-down shape through the same writer: the file is valid GGUF and runs in both modes."""
+    small = synthetic.Shape(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=32000, context=256,
+                            rope_base=10000.0, rms_eps=1e-5)
+    monkeypatch.setitem(synthetic.SHAPES, "small", small)
+    path = tmp_path / "small.gguf"
+    synthetic.write(path, "small", "Q4_K_M")
+    native, dense = mlxllama.load(path), mlxllama.load(path, dequantize=True)
+    ids = [1, 450, 7483, 310]
+    ours, ref = native.logits(ids), dense.logits(ids)
+    assert np.isfinite(ours).all() and np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+    assert len(native.generate(ids, max_tokens=3).token_ids) == 3

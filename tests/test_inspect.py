@@ -1,0 +1,58 @@
+"""`mlxllama inspect`: exact values on fixtures, JSON and text output, errors."""
+
+import json
+
+from click.testing import CliRunner
+
+from mlxllama.cli import main
+from mlxllama.model_info import describe
+
+from conftest import find_fixture_model
+
+
+def llama3_parameters(vocab=3011, hidden=256, kv=128, ffn=512, layers=2, rope_pairs=32) -> int:
+    per_layer = 2 * hidden + 2 * hidden * hidden + 2 * kv * hidden + 3 * ffn * hidden  # norms, q+o, k+v, ffn
+    return vocab * hidden + layers * per_layer + hidden + rope_pairs  # tied: no output.weight
+
+
+def test_llama3_fixture():
+    info = describe(find_fixture_model("llama3-tiny-Q6_K.gguf"))
+    assert (info["architecture"], info["supported"], info["layers"], info["context_length"]) == ("llama", True, 2, 131072)
+    assert info["parameters"] == llama3_parameters() == 1_951_776
+    assert info["tensor_types"] == {"F32": 6, "Q6_K": 15}  # 5 norms + rope_freqs; every matrix Q6_K
+    assert info["tensors"] == 21
+    assert info["tensor_bytes"] < info["file_bytes"]
+    tok = info["tokenizer"]
+    assert (tok["model"], tok["kind"], tok["pre"], tok["tokens"]) == ("gpt2", "byte-level BPE", "llama-bpe", 3011)
+    assert tok["bos"] == {"id": 3000, "text": "<|begin_of_text|>"} and tok["add_bos"]
+    assert tok["eos"] == tok["eot"] == {"id": 3009, "text": "<|eot_id|>"}
+    assert info["chat_template"]["builtin"] == "llama3"
+
+
+def test_phi3_and_qwen2_fixtures():
+    phi3 = describe(find_fixture_model("phi3-tiny-Q5_K_M.gguf"))
+    assert phi3["architecture"] == "phi3" and phi3["tokenizer"]["kind"] == "SentencePiece"
+    assert phi3["chat_template"]["builtin"] == "phi3"
+    assert phi3["tokenizer"]["eot"] == {"id": 3007, "text": "<|end|>"}
+    qwen2 = describe(find_fixture_model("qwen2-tiny-Q8_0.gguf"))
+    assert qwen2["architecture"] == "qwen2" and qwen2["tokenizer"]["pre"] == "qwen2"
+    assert qwen2["chat_template"]["builtin"] == "chatml"
+    assert qwen2["tensor_types"] == {"F32": 11, "Q8_0": 15}  # norms and Q/K/V biases stay F32
+
+
+def test_cli_text_and_json():
+    path = str(find_fixture_model("llama3-tiny-Q6_K.gguf"))
+    runner = CliRunner()
+    text = runner.invoke(main, ["inspect", path])
+    assert text.exit_code == 0, text.output
+    assert "llama (supported)" in text.output and "1.95M (1,951,776)" in text.output
+    assert "pre-tokenizer llama-bpe" in text.output and "matches built-in 'llama3'" in text.output
+    as_json = runner.invoke(main, ["inspect", path, "--json"])
+    assert json.loads(as_json.output)["parameters"] == 1_951_776
+
+
+def test_cli_errors(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 2 and "not a GGUF file" in result.output
