@@ -15,19 +15,12 @@ import random
 import statistics
 import time
 
-import llama_cpp
+import sys
+from pathlib import Path
 
-_default_params = llama_cpp.llama_model_default_params
-
-
-def _params_without_extra_bufts():
-    params = _default_params()
-    params.use_extra_bufts = False
-    return params
-
-
-llama_cpp.llama_model_default_params = _params_without_extra_bufts
-llama_cpp.llama_cpp.llama_model_default_params = _params_without_extra_bufts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import llama_cpp  # noqa: E402
+import llama_cpp_cpu  # noqa: E402,F401  (switches extra buffer types off before any Llama is created)
 
 
 def main():

@@ -15,7 +15,7 @@ import pytest
 import mlxllama
 
 from conftest import find_fixture_model
-from test_llama_parity import MAX_MEAN_KL, NEAR_TIE, kl_per_position
+from test_llama_parity import assert_greedy_matches, assert_logits_match
 
 REFERENCE_DIR = Path(__file__).parent / "reference" / "arch"
 REFERENCES = sorted(p.stem for p in REFERENCE_DIR.glob("*.npz"))
@@ -50,27 +50,14 @@ def test_tokenization_matches_llama_cpp(name):
 def test_logits_match_llama_cpp(name):
     m, ref = model(name), reference(name)
     for prompt in PROMPTS:
-        ids = ref[f"{prompt}/ids"].tolist()
-        ours = m.logits(ids)
-        top_logits = ref[f"{prompt}/top_logits"]
-        decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
-        assert decided.mean() > MIN_DECIDED, f"{name} {prompt}: too few positions with a clear winner to compare"
-        np.testing.assert_array_equal(
-            ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0], err_msg=f"{name} {prompt}"
-        )
-        kl = kl_per_position(ref, prompt, ours)
-        assert kl.mean() < MAX_MEAN_KL, f"{name} {prompt}: mean KL {kl.mean():.2e}, max {kl.max():.2e}"
+        assert_logits_match(m, ref, prompt, f"{name} {prompt}", MIN_DECIDED)
 
 
 @pytest.mark.parametrize("name", REFERENCES)
 def test_greedy_continuation_matches_llama_cpp(name):
     m, ref = model(name), reference(name)
     for prompt in PROMPTS:
-        expected = ref[f"{prompt}/greedy"].tolist()
-        near_ties = np.nonzero(ref[f"{prompt}/greedy_margin"] < NEAR_TIE)[0]
-        compared = int(near_ties[0]) if near_ties.size else len(expected)
-        result = m.generate(ref[f"{prompt}/ids"].tolist(), max_tokens=len(expected))
-        assert result.token_ids[:compared] == expected[:compared], f"{name} {prompt}"
+        assert_greedy_matches(m, ref, prompt, f"{name} {prompt}")
 
 
 def test_each_fixture_exercises_its_architecture():

@@ -63,21 +63,34 @@ def kl_per_position(ref: dict, prompt: str, ours: np.ndarray) -> np.ndarray:
     return kl + ref_tail * (np.log(ref_tail) - np.log(our_tail))
 
 
+def assert_logits_match(m, ref: dict, prompt: str, label: str, min_decided: float = 0.75) -> None:
+    """Mean KL under the bar, and llama.cpp's argmax wherever its top two are not a near-tie."""
+    ids = ref[f"{prompt}/ids"].tolist()
+    ours = m.logits(ids)
+    assert ours.shape == (len(ids), m.config.vocab_size)
+    top_logits = ref[f"{prompt}/top_logits"]
+    decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
+    assert decided.mean() > min_decided, f"{label}: too few positions with a clear winner to compare"
+    np.testing.assert_array_equal(ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0], err_msg=label)
+    kl = kl_per_position(ref, prompt, ours)
+    assert kl.mean() < MAX_MEAN_KL, f"{label}: mean KL {kl.mean():.2e}, max {kl.max():.2e}"
+
+
+def assert_greedy_matches(m, ref: dict, prompt: str, label: str) -> list[int]:
+    """The same greedy ids up to llama.cpp's first near-tie; returns the positions of its near-ties."""
+    expected = ref[f"{prompt}/greedy"].tolist()
+    near_ties = np.nonzero(ref[f"{prompt}/greedy_margin"] < NEAR_TIE)[0]
+    compared = int(near_ties[0]) if near_ties.size else len(expected)
+    result = m.generate(ref[f"{prompt}/ids"].tolist(), max_tokens=len(expected))
+    assert result.token_ids[:compared] == expected[:compared], label
+    return near_ties.tolist()
+
+
 @pytest.mark.parametrize("name", REFERENCES)
 def test_logits_match_llama_cpp(name):
     m, ref = model(name), reference(name)
     for prompt in PROMPTS:
-        ids = ref[f"{prompt}/ids"].tolist()
-        ours = m.logits(ids)
-        assert ours.shape == (len(ids), m.config.vocab_size)
-        top_logits = ref[f"{prompt}/top_logits"]
-        decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
-        assert decided.mean() > 0.75, f"{name} {prompt}: too few positions with a clear winner to compare"
-        np.testing.assert_array_equal(
-            ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0], err_msg=f"{name} {prompt}"
-        )
-        kl = kl_per_position(ref, prompt, ours)
-        assert kl.mean() < MAX_MEAN_KL, f"{name} {prompt}: mean KL {kl.mean():.2e}, max {kl.max():.2e}"
+        assert_logits_match(m, ref, prompt, f"{name} {prompt}")
 
 
 @pytest.mark.parametrize("name", REFERENCES)
@@ -89,16 +102,11 @@ def test_tokenization_matches_llama_cpp(name):
 
 @pytest.mark.parametrize("name", REFERENCES)
 def test_greedy_continuation_matches_llama_cpp(name):
-    """The same ids up to llama.cpp's first near-tie (the chat answers have none)."""
     m, ref = model(name), reference(name)
     for prompt in PROMPTS:
-        expected = ref[f"{prompt}/greedy"].tolist()
-        near_ties = np.nonzero(ref[f"{prompt}/greedy_margin"] < NEAR_TIE)[0]
+        near_ties = assert_greedy_matches(m, ref, prompt, f"{name} {prompt}")
         if prompt != "italy":
-            assert near_ties.size == 0, f"{name} {prompt}: the reference answer has a near-tie"
-        compared = int(near_ties[0]) if near_ties.size else len(expected)
-        result = m.generate(ref[f"{prompt}/ids"].tolist(), max_tokens=len(expected))
-        assert result.token_ids[:compared] == expected[:compared], f"{name} {prompt}"
+            assert not near_ties, f"{name} {prompt}: the reference chat answer has a near-tie"
 
 
 @pytest.mark.parametrize("name", REFERENCES)

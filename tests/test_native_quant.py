@@ -19,7 +19,7 @@ from mlxllama.quantized_model import BlockEmbedding, NativeLinear, _quantized_la
 from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
 
 from conftest import find_fixture_model
-from test_llama_parity import MAX_MEAN_KL, NEAR_TIE, PROMPTS, REFERENCES, kl_per_position, reference
+from test_llama_parity import PROMPTS, REFERENCES, assert_logits_match, reference
 
 QUANT_NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 # Types whose scale is a file float16 as it is (and whose bias a power-of-two multiple of it or a file float16).
@@ -121,11 +121,7 @@ def test_dequantized_mode_matches_llama_cpp(name):
     """--dequantize keeps the core parity (argmax where decided, mean KL) on the quantized files."""
     m, ref = mlxllama.load(find_fixture_model(f"{name}.gguf"), dequantize=True), reference(name)
     for prompt in PROMPTS:
-        ours = m.logits(ref[f"{prompt}/ids"].tolist())
-        top_logits = ref[f"{prompt}/top_logits"]
-        decided = top_logits[:, 0] - top_logits[:, 1] >= NEAR_TIE
-        np.testing.assert_array_equal(ours.argmax(axis=1)[decided], ref[f"{prompt}/top_ids"][decided, 0])
-        assert kl_per_position(ref, prompt, ours).mean() < MAX_MEAN_KL
+        assert_logits_match(m, ref, prompt, f"{name} {prompt} (dequantized)")
 
 
 def test_native_linear_paths_agree(monkeypatch):
