@@ -227,8 +227,10 @@ def parse_entry(line: str) -> dict:
         raise MlxLlamaError("'messages' must be a non-empty list of {\"role\": string, \"content\": string} objects")
     if isinstance(entry.get("stop"), list) and not all(isinstance(s, str) for s in entry["stop"]):
         raise MlxLlamaError(f"'stop' must be {LINE_FIELDS['stop'][1]}")
-    if entry.get("max_tokens", 0) < 0 or entry.get("temperature", 0) < 0:
-        raise MlxLlamaError("'max_tokens' and 'temperature' cannot be negative")
+    if entry.get("max_tokens", 0) < 0 or not 0 <= entry.get("temperature", 0) < float("inf"):
+        raise MlxLlamaError("'max_tokens' and 'temperature' must be non-negative numbers")
+    if (entry.get("seed") or 0) < 0:
+        raise MlxLlamaError("'seed' cannot be negative")
     if "template" in entry and entry.get("no_template"):
         raise MlxLlamaError("'template' and 'no_template' exclude each other")
     return entry
@@ -302,6 +304,8 @@ def read_done(path: str) -> set[str]:
             data = f.read()
     except FileNotFoundError:
         return set()
+    except OSError as e:
+        raise MlxLlamaError(f"{path}: cannot read results ({e.strerror})")
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         with open(path, "r+b") as f:
@@ -433,8 +437,11 @@ def run_batch(runtime, lines: Iterable[str], source: str, out_path: str, setting
     written are kept, and running the same command again resumes).
     """
     done = set() if out_path == "-" else read_done(out_path)
-    jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done,
-                                           lambda message: click.echo(message, err=True))
+    try:
+        jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done,
+                                               lambda message: click.echo(message, err=True))
+    except UnicodeDecodeError as e:
+        raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
     stdout = out_path == "-"
     with nullcontext(sys.stdout) if stdout else open(out_path, "a", encoding="utf-8") as out:

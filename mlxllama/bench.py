@@ -19,6 +19,7 @@ import numpy as np
 
 from . import gguf_loader
 from .cache import make_cache
+from .errors import MlxLlamaError
 from .generate import prefill
 from .runtime import Runtime, load
 
@@ -118,6 +119,9 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,
     )
     mx.reset_peak_memory()
+    context = runtime.config.context_length
+    if n_prompt > context or n_gen + 1 > context:
+        raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} do not fit the model's context of {context} tokens")
     tests = []
     if n_prompt:
         tests.append((f"pp{n_prompt}", 1, n_prompt, 0, lambda seed: n_prompt / time_prompt(runtime, n_prompt, seed)))

@@ -74,9 +74,17 @@ class ChatSession:
         return ids
 
     def send(self, user_text: str) -> Iterator[str]:
-        """Stream the assistant's reply; the reply joins the history once complete."""
+        """Stream the assistant's reply; the reply joins the history once complete.
+
+        A turn that fails or is interrupted leaves the conversation as it was before it.
+        """
+        before = list(self.messages)
         self.messages.append({"role": "user", "content": user_text})
-        prompt_ids = self._fit_context()
+        try:
+            prompt_ids = self._fit_context()
+        except BaseException:
+            self.messages = before
+            raise
         keep = common_prefix_length(self.cached_ids, prompt_ids)
         if keep == len(prompt_ids):
             keep -= 1  # the last prompt token must be fed to get logits for the reply
@@ -90,7 +98,7 @@ class ChatSession:
         except BaseException:
             # An interrupted step may have left some layers' caches a token ahead of others.
             self.forget_cache()
-            self.messages.pop()
+            self.messages = before
             raise
         result = stream.result
         self.last_fed = len(prompt_ids) - keep + len(result.token_ids)

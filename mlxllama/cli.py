@@ -53,14 +53,16 @@ def model_option(f):
 
 def sampling_options(f):
     options = [
-        click.option("--max-tokens", "-n", default=256, show_default=True, help="Most tokens to generate."),
-        click.option("--temperature", "--temp", "-t", default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--max-tokens", "-n", default=256, show_default=True, type=click.IntRange(0),
+                     help="Most tokens to generate."),
+        click.option("--temperature", "--temp", "-t", default=0.0, show_default=True,
+                     type=click.FloatRange(0, float("inf"), max_open=True), help="0 is greedy."),
         click.option("--top-k", default=40, show_default=True, help="Keep the k likeliest tokens (0: all)."),
         click.option("--top-p", default=0.95, show_default=True, help="Nucleus: keep the smallest set with this mass."),
         click.option("--min-p", default=0.05, show_default=True, help="Drop tokens below min-p x the top probability."),
         click.option("--repeat-penalty", default=1.0, show_default=True, help="Penalty for recent tokens (1: off)."),
         click.option("--repeat-last-n", default=64, show_default=True, help="Window of the repeat penalty (-1: all)."),
-        click.option("--seed", type=int, default=None, help="Random seed for sampling (reproducible runs)."),
+        click.option("--seed", type=click.IntRange(0), default=None, help="Random seed for sampling (reproducible runs)."),
         click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed."),
     ]
     for option in reversed(options):
@@ -70,6 +72,9 @@ def sampling_options(f):
 
 def sampling_params(kwargs: dict):
     from .sampling import SamplingParams
+
+    if kwargs["temperature"] != kwargs["temperature"]:  # NaN passes click's range check
+        raise MlxLlamaError("--temperature must be a number")
 
     return SamplingParams(
         temperature=kwargs["temperature"], top_k=kwargs["top_k"], top_p=kwargs["top_p"], min_p=kwargs["min_p"],
@@ -315,7 +320,7 @@ def run_chat_command(session, line: str) -> bool:
 @click.option("--out", "-o", "out_path", default="-", show_default=True, metavar="FILE",
               help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
 @click.option("--text", "text_input", is_flag=True, help="PROMPTS is plain text, one prompt per line.")
-@click.option("--batch-size", "-b", default=8, show_default=True, help="Sequences decoded together.")
+@click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(1), help="Sequences decoded together.")
 @click.option("--no-template", is_flag=True, help="Feed raw prompts with BOS only (a line may override).")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template (lines may override).")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")

@@ -18,12 +18,15 @@ PREFILL_CHUNK = 512
 
 
 def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.array:
-    """Feed ids into the cache in chunks; return the logits [vocab] after the last one (lazy)."""
+    """Feed ids into the cache in chunks; return the logits [vocab] after the last one (lazy).
+
+    Only the last position's logits are wanted, so the output head runs on that row alone.
+    """
     for start in range(0, len(ids), PREFILL_CHUNK):
-        logits = model(mx.array([ids[start : start + PREFILL_CHUNK]]), cache)
+        hidden = model.hidden_states(mx.array([ids[start : start + PREFILL_CHUNK]]), cache)
         if start + PREFILL_CHUNK < len(ids):
             mx.eval([c.state for c in cache])
-    return logits[0, -1]
+    return model.head(hidden[:, -1:])[0, -1]
 
 
 def truncate_prompt(ids: Sequence[int], context_length: int, max_tokens: int, bos_id: int | None) -> list[int]:
@@ -57,7 +60,7 @@ def generate_tokens(
     history + new_ids + the yielded ids. A stop id is yielded, then generation ends.
     """
     if not new_ids:
-        raise ValueError("generation needs at least one new token to feed")
+        raise MlxLlamaError("the prompt is empty: generation needs at least one token to feed")
     stop_ids = frozenset(stop_ids)
     context = list(history) + list(new_ids)
     room = model.config.context_length - cache[0].offset - len(new_ids)

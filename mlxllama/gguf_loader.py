@@ -87,7 +87,7 @@ class _Reader(GGUFReader):
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise MlxLlamaError(f"{path}: no such file")
+        raise MlxLlamaError(f"{path}: {'is a directory, not a GGUF file' if os.path.isdir(path) else 'no such file'}")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -229,8 +229,8 @@ class _HeaderCheck:
     def tensor_info(self, i: int):
         name = self.name(f"name of tensor {i}")
         n_dims = self.u32(f"dimension count of tensor {name!r}")
-        if n_dims > GGML_MAX_DIMS:
-            raise self.fail(f"tensor {name!r} has {n_dims} dimensions, more than {GGML_MAX_DIMS}", self.pos - 4)
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise self.fail(f"tensor {name!r} has {n_dims} dimensions, not 1 to {GGML_MAX_DIMS}", self.pos - 4)
         dims = [self.u64(f"dimension {d} of tensor {name!r}") for d in range(n_dims)]
         type_id = self.u32(f"type of tensor {name!r}")
         try:

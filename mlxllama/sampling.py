@@ -67,7 +67,7 @@ def filter_logits(logits: mx.array, top_k: int, top_p: float, min_p: float) -> m
     """Set the logits of tokens outside top-k / the top-p nucleus / below min-p to -inf."""
     neg_inf = mx.array(-float("inf"), logits.dtype)
     if 0 < top_k < logits.shape[-1]:
-        kth = mx.sort(logits)[-top_k]
+        kth = mx.min(mx.topk(logits, top_k), axis=-1)
         logits = mx.where(logits < kth, neg_inf, logits)
     if min_p > 0:
         floor = mx.max(logits) + mx.log(mx.array(min_p))

@@ -156,6 +156,8 @@ def test_malformed_lines_are_reported_and_skipped(cli, tmp_path):
         json.dumps({"prompt": "x", "max_tokens": "many"}),
         json.dumps({"prompt": "x", "template": "no-such-template"}),
         json.dumps({"system": "no prompt"}),
+        json.dumps({"prompt": "x", "seed": -1}),
+        '{"prompt": "x", "temperature": NaN}',
         json.dumps({"id": "last", "prompt": "Once upon a time", "no_template": True}),
     ])
     result = cli("batch", str(tmp_path / "in.jsonl"), "-n", "2", "--summary", "json")
@@ -164,10 +166,20 @@ def test_malformed_lines_are_reported_and_skipped(cli, tmp_path):
     name = str(tmp_path / "in.jsonl")
     for number, reason in [(2, "not valid JSON"), (3, "expected a JSON object"), (4, "duplicate id 1"),
                            (6, "'max_tokens' must be an integer"), (7, "unknown chat template"),
-                           (8, "needs either 'prompt' or 'messages'")]:
+                           (8, "needs either 'prompt' or 'messages'"), (9, "'seed' cannot be negative"),
+                           (10, "'max_tokens' and 'temperature' must be non-negative numbers")]:
         assert f"{name}:{number}: {reason}" in result.stderr
     summary = json.loads(result.stderr.strip().splitlines()[-1])
-    assert (summary["prompts"], summary["done"], summary["errors"]) == (2, 2, 6)
+    assert (summary["prompts"], summary["done"], summary["errors"]) == (2, 2, 8)
+
+
+def test_unreadable_input_or_output_is_a_one_line_error(cli, tmp_path):
+    write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "x"})])
+    result = cli("batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path))
+    assert result.exit_code == 2 and f"{tmp_path}: cannot read results" in result.stderr
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00a\n")
+    result = cli("batch", "--text", str(tmp_path / "bin.txt"), "-o", str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 2 and "bin.txt: not UTF-8 text" in result.stderr
 
 
 def test_text_input_from_stdin_to_stdout(cli):

@@ -99,3 +99,17 @@ def test_a_failing_line_is_reported_and_the_chat_goes_on(tmp_path):
     assert result.stdout == "Nice to meet you, Zoe! How can I help you today?\n"
     assert "mlxllama: error: " in result.stderr and "cannot write transcript" in result.stderr
     assert result.exit_code == 2
+
+
+def test_a_rejected_message_leaves_the_conversation_as_it_was():
+    chat = session()
+    "".join(chat.send("What is the capital of Japan?"))
+    before = list(chat.messages)
+    try:
+        "".join(chat.send("Japan " * 2000))
+    except mlxllama.MlxLlamaError as e:
+        assert "too long for the model's context of 512" in str(e)
+    else:
+        raise AssertionError("an over-long message was accepted")
+    assert chat.messages == before
+    assert "".join(chat.send("What is 17 plus 25?")) == "17 plus 25 is 42."

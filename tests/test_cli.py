@@ -106,12 +106,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     text_file.write_text("hello, not a model")
     one_line_error(run("generate", "-m", str(text_file), "-p", "x"), "not a GGUF file (offset 0")
     one_line_error(run("generate", "-m", str(tmp_path / "missing.gguf"), "-p", "x"), "no such file")
+    one_line_error(run("generate", "-m", str(tmp_path), "-p", "x"), "is a directory, not a GGUF file")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(find_fixture_model("types-tiny-Q4_0.gguf").read_bytes()[:600_000])
     one_line_error(run("generate", "-m", str(truncated), "-p", "x"), "truncated")
     one_line_error(run("generate", "-p", "x", "--template", "nope"), "zephyr")
     one_line_error(run("generate", "-p", "x", "--template-kwargs", "{not json"), "--template-kwargs: not valid JSON")
     one_line_error(run("generate", "-p", "x", "--template-file", str(tmp_path / "none.jinja")), "none.jinja")
+    one_line_error(run("generate", "-p", "x", "-t", "nan"), "--temperature must be a number")
+    one_line_error(run("bench", "-p", "1000", "-n", "4", "-r", "1"), "do not fit the model's context of 512")
     broken = tmp_path / "broken.jinja"
     broken.write_text("line one\n{% for m in messages %}\n{{ m.content }\n")
     one_line_error(run("generate", "-p", "x", "--template-file", str(broken)), "line 3")

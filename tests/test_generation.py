@@ -141,3 +141,8 @@ def test_repeat_penalty_sees_every_generated_token():
         expected.append(int(mx.argmax(apply_repeat_penalty(logits, window, 1.3, 8)).item()))
     assert streamed.token_ids == expected
 
+
+
+def test_empty_prompt_is_a_clear_error():
+    with pytest.raises(mlxllama.MlxLlamaError, match="the prompt is empty"):
+        chat_tiny().generate([], max_tokens=1)
