@@ -28,9 +28,8 @@ import click
 import mlx.core as mx
 
 from .cache import make_batch_cache, make_cache
-from .config import ModelConfig
 from .errors import MlxLlamaError
-from .generate import GenerationResult, TextCollector, prefill
+from .generate import GenerationResult, TextCollector, check_fits, prefill
 from .model import Transformer
 from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
 from .sampling import SamplingParams, make_sampler
@@ -45,13 +44,6 @@ class Request:
     max_tokens: int = 256
     params: SamplingParams = SamplingParams()
     stop: Sequence[str] = ()
-
-
-def check_fits(config: ModelConfig, ids: Sequence[int]) -> None:
-    if not ids:
-        raise MlxLlamaError("generation needs at least one prompt token")
-    if len(ids) > config.context_length:
-        raise MlxLlamaError(f"prompt is {len(ids)} tokens, more than the model's context of {config.context_length}")
 
 
 class _Row:
@@ -103,7 +95,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
     if batch_size < 1:
         raise MlxLlamaError("the batch size must be at least 1")
     for request in requests:
-        check_fits(model.config, request.ids)
+        check_fits(len(request.ids), model.config.context_length)
     waiting = deque(enumerate(requests))
     cache = make_batch_cache(model.config.n_layers)
     rows: list[_Row] = []
@@ -257,7 +249,7 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     job = Job(job_id, [], [])
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
-        check_fits(runtime.config, prompt.ids)
+        check_fits(len(prompt.ids), runtime.config.context_length)
         job.prompts.append(prompt)
         job.requests.append(replace(request, ids=prompt.ids))
     return job

@@ -129,13 +129,11 @@ def load_model(model_path: str | None):
 
 def fit_prompt(runtime, ids: list[int], max_tokens: int, truncate: bool) -> list[int]:
     """The prompt ids to feed: unchanged, cut by --truncate's policy, or an error when too long for the context."""
-    from .generate import truncate_prompt
+    from .generate import check_fits, truncate_prompt
 
     context = runtime.config.context_length
     if not truncate:
-        if len(ids) > context:
-            raise MlxLlamaError(f"prompt is {len(ids)} tokens, more than the model's context of {context}; "
-                                "shorten it or pass --truncate to drop its start")
+        check_fits(len(ids), context, "; shorten it or pass --truncate to drop its start")
         return ids
     kept = truncate_prompt(ids, context, max_tokens, runtime.tokenizer.bos_id)
     if len(kept) < len(ids):

@@ -29,6 +29,14 @@ def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.
     return model.head(hidden[:, -1:])[0, -1]
 
 
+def check_fits(n_tokens: int, context_length: int, hint: str = "") -> None:
+    """A prompt of n_tokens (what the cache already holds included) must be non-empty and fit the context."""
+    if n_tokens == 0:
+        raise MlxLlamaError("the prompt is empty: generation needs at least one token to feed")
+    if n_tokens > context_length:
+        raise MlxLlamaError(f"prompt is {n_tokens} tokens, more than the model's context of {context_length}{hint}")
+
+
 def truncate_prompt(ids: Sequence[int], context_length: int, max_tokens: int, bos_id: int | None) -> list[int]:
     """The prompt cut to leave room for the reply, the policy of `generate --truncate`.
 
@@ -59,17 +67,11 @@ def generate_tokens(
     host waits for the current token), so afterwards the cache holds exactly
     history + new_ids + the yielded ids. A stop id is yielded, then generation ends.
     """
-    if not new_ids:
-        raise MlxLlamaError("the prompt is empty: generation needs at least one token to feed")
+    check_fits(len(new_ids), model.config.context_length)
+    check_fits(cache[0].offset + len(new_ids), model.config.context_length)
     stop_ids = frozenset(stop_ids)
     context = list(history) + list(new_ids)
-    room = model.config.context_length - cache[0].offset - len(new_ids)
-    if room < 0:
-        raise MlxLlamaError(
-            f"prompt is {cache[0].offset + len(new_ids)} tokens, more than the model's context of "
-            f"{model.config.context_length}"
-        )
-    max_tokens = min(max_tokens, room)
+    max_tokens = min(max_tokens, model.config.context_length - cache[0].offset - len(new_ids))
     if max_tokens <= 0:
         return
     token = sampler(prefill(model, new_ids, cache), context)

@@ -27,8 +27,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import sentencepiece
 
-from mlxllama import bpe
-from mlxllama.errors import MlxLlamaError
+from . import bpe
+from .errors import MlxLlamaError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 

@@ -36,6 +36,7 @@ import numpy as np
 from .cache import KVCache
 from .errors import MlxLlamaError
 from .files import write_text_atomic
+from .generate import check_fits
 from .model import Transformer, causal_mask
 from .tokenizer import Tokenizer
 
@@ -135,11 +136,8 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], c
     Each pass predicts one token, so `steps` passes give `steps` predictions; generation stops
     early at a stop token or at the end of the context.
     """
-    if not prompt_ids:
-        raise MlxLlamaError("trace needs at least one prompt token")
     context = model.config.context_length
-    if len(prompt_ids) > context:
-        raise MlxLlamaError(f"prompt is {len(prompt_ids)} tokens, more than the model's context of {context}")
+    check_fits(len(prompt_ids), context)
     passes, hidden = [], {}
     ids = list(prompt_ids)
     while True:
