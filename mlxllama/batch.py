@@ -31,7 +31,7 @@ from .cache import make_batch_cache, make_cache
 from .errors import MlxLlamaError
 from .generate import GenerationResult, TextCollector, check_fits, prefill
 from .model import Transformer
-from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
+from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
 
@@ -239,9 +239,7 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     else:
         template = settings.template
     messages = entry["messages"] if "messages" in entry else messages_for(entry["prompt"])
-    system = entry.get("system", settings.system)
-    if system and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": system}] + messages
+    messages = with_system(entry.get("system", settings.system), messages)
     stop = entry.get("stop", settings.stop)
     overrides = {key: entry[key] for key in ("temperature", "seed") if key in entry}
     request = Request((), entry.get("max_tokens", settings.max_tokens), replace(settings.params, **overrides),

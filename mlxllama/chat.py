@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 from .errors import MlxLlamaError
 from .files import write_text_atomic
 from .generate import TextStream
-from .prompt import Template, render_messages, tokenize_rendered
+from .prompt import Template, render_messages, tokenize_rendered, with_system
 from .runtime import Runtime
 from .sampling import SamplingParams, make_sampler
 
@@ -54,7 +54,7 @@ class ChatSession:
         self.system = text or None
 
     def conversation(self) -> list[dict[str, str]]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        return with_system(self.system, self.messages)
 
     def _prompt_ids(self) -> list[int]:
         text = render_messages(self.template, self.runtime.tokenizer, self.conversation(), True, self.template_kwargs)

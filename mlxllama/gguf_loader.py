@@ -417,6 +417,11 @@ def tensor_to_mlx(gguf: GGUFFile, tensor, dtype: mx.Dtype) -> mx.array:
     return dequantize(tensor.data, qtype, shape).astype(dtype)
 
 
+def weight_dtype(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.Dtype:
+    """Norm weights stay float32 (they are tiny and scale every activation); the rest take dtype."""
+    return mx.float32 if len(shape) == 1 and not name.endswith(".bias") else dtype
+
+
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: mx.Dtype = mx.float16) -> dict[str, mx.array]:
     """All tensors the model needs, under their GGUF names; norms stay float32 (they are tiny).
 
@@ -424,8 +429,8 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: mx.Dtype = mx.float
     """
     weights = {}
     for name, shape in checked_shapes(gguf, config).items():
-        is_norm = len(shape) == 1 and not name.endswith(".bias")
-        weights.update(split_fused(name, tensor_to_mlx(gguf, gguf.tensors[name], mx.float32 if is_norm else dtype), config))
+        array = tensor_to_mlx(gguf, gguf.tensors[name], weight_dtype(name, shape, dtype))
+        weights.update(split_fused(name, array, config))
     return weights
 
 

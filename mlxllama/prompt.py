@@ -52,8 +52,15 @@ class Prompt:
     template: str
 
 
+def with_system(system: str | None, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """messages with the system message first, unless there is none or they already have one."""
+    if not system or any(m["role"] == "system" for m in messages):
+        return list(messages)
+    return [{"role": "system", "content": system}, *messages]
+
+
 def messages_for(user: str, system: str | None = None) -> list[dict[str, str]]:
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return with_system(system, [{"role": "user", "content": user}])
 
 
 def render_messages(template: Template, tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],

@@ -106,8 +106,7 @@ def load_weights(gguf: gguf_loader.GGUFFile, config: ModelConfig,
                 arrays = (None if p is None else p[part] for p in parts)
                 weights[part] = AffineWeight(*arrays, affine.bits, affine.qtype)
         else:
-            is_norm = len(shape) == 1 and not name.endswith(".bias")
-            array = gguf_loader.tensor_to_mlx(gguf, tensor, mx.float32 if is_norm else dtype)
+            array = gguf_loader.tensor_to_mlx(gguf, tensor, gguf_loader.weight_dtype(name, shape, dtype))
             mx.eval(array)
             weights.update(gguf_loader.split_fused(name, array, config))
     return weights
