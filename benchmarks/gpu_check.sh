@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU session, follow-up call 4 (after the three MLX parts are in /tmp/gpu; no llama.cpp needed): the
+# GPU session, follow-up call 5 (after the four MLX parts are in /tmp/gpu; no llama.cpp needed): the
 # parity and native-mode tests on the GPU (float16) for every fixture in the repository, then MLX's
 # matmul paths by rows and the dispatch sweep on the TinyLlama-shape file.
-#   set -o pipefail; bash benchmarks/gpu_check.sh .whl/p4 2>&1 | tee $OUT/gpu_log.txt
+#   set -o pipefail; bash benchmarks/gpu_check.sh .whl/p5 2>&1 | tee $OUT/gpu_log.txt
 set -uo pipefail
 parts=$1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -10,7 +10,7 @@ model=/tmp/gpu/tinyllama-1.1b-Q4_K_M.gguf
 log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 log install MLX
 mkdir -p /tmp/site
-cat /tmp/gpu/mlx.part0[0-2] "$parts"/mlx.part03 | xz -d | tar x -C /tmp/site || exit 1
+cat /tmp/gpu/mlx.part0[0-3] "$parts"/mlx.part04 | xz -d | tar x -C /tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$parts"/gguf-*.whl || exit 1
 python3 -c "from mlxllama import synthetic; synthetic.write('$model')"
 log tests on the GPU

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# GPU session, call 4 (after gpu_stash.sh p1..p3): install MLX (CUDA) and check it there, then, once the
-# llama.cpp build started by call 1 is done and the machine is quiet, benchmark the TinyLlama-shape
-# Q4_K_M file side by side: mlxllama native and --dequantize (float16), then llama.cpp's llama-bench
-# and llama-batched-bench (CUDA, every layer on the GPU) on the same file.
-#   set -o pipefail; bash benchmarks/gpu_run.sh .whl/p4 2>&1 | tee $OUT/gpu_log.txt
+# GPU session, call 5 (after gpu_stash.sh p1..p4): install MLX (CUDA), make the TinyLlama-shape Q4_K_M file
+# and run the parity, native-mode and generation tests on the GPU while the llama.cpp build started by
+# call 1 goes on. Call 6 is gpu_bench.sh.
+#   set -o pipefail; bash benchmarks/gpu_run.sh .whl/p5 2>&1 | tee $OUT/gpu_log.txt
 set -uo pipefail
 parts=$1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -12,37 +11,14 @@ log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 
 log install MLX
 mkdir -p /tmp/site
-cat /tmp/gpu/mlx.part0[0-2] "$parts"/mlx.part03 | xz -d | tar x -C /tmp/site || exit 1
+cat /tmp/gpu/mlx.part0[0-3] "$parts"/mlx.part04 | xz -d | tar x -C /tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$parts"/gguf-*.whl || exit 1
 python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info())' || exit 1
 python3 -c "from mlxllama import synthetic; synthetic.write('$model')"
 
-log checks on the GPU: decoders, native mode, parity with llama.cpp in float16
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_native_quant.py tests/test_llama_parity.py \
-    -k "not tokenization and (native or Q3_K or Q6_K or Q8_0 or Q4_K_M or Q4_0)" 2>&1 | grep -v "^E  \|^    " | tail -30
+log checks on the GPU: decoders, native mode, compiled step, parity with llama.cpp in float16
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_native_quant.py tests/test_llama_parity.py \
+    tests/test_generation.py -k "not tokenization" 2>&1 | grep -v "^E  \|^    \|^$" | tail -25
 
-log waiting for the llama.cpp build
-while [ ! -f /tmp/gpu/llama-build.done ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
 tail -2 /tmp/gpu/build.log
-
-for mode in native dequantize; do
-    log mlxllama bench $mode
-    flag=$([ $mode = dequantize ] && echo --dequantize)
-    timeout 150 python3 cli.py bench -m "$model" -p 512 -n 128 -b 1,8,16 -r 5 $flag --json > "$OUT/mlx_$mode.json"
-    python3 -c "import json; r = json.load(open('$OUT/mlx_$mode.json')); print(r['mode'], round(r['load_seconds'], 2), 's',
-        round(r['weight_ratio'], 3), [(t['name'], t['batch'], round(t['tokens_per_second'], 1), round(t['stdev'], 1)) for t in r['tests']])"
-    timeout 60 python3 benchmarks/profile_decode.py "$model" $flag --context 512 --json "$OUT/profile_$mode.json"
-done
-
-if [ -f /tmp/gpu/llama-build.done ]; then
-    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
-    bin=/tmp/gpu/llama-build/bin
-    log llama-bench
-    timeout 120 "$bin/llama-bench" -m "$model" -p 512 -n 128 -r 5 -ngl 99 -fa off,on -o json > "$OUT/llama_bench.json"
-    python3 -c "import json; [print(r['n_prompt'], r['n_gen'], r['flash_attn'], round(r['avg_ts'], 1), round(r['stddev_ts'], 1)) for r in json.load(open('$OUT/llama_bench.json'))]"
-    log llama-batched-bench
-    timeout 60 "$bin/llama-batched-bench" -m "$model" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 128 -npl 1,8,16 -ngl 99 -fa on \
-        2>&1 | grep "^|"
-fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 log done

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU session, calls 1-3: MLX's CUDA build (~75 MB compressed) is more than one call may carry next to
+# GPU session, calls 1-4: MLX's CUDA build (~75 MB compressed) is more than one call may carry next to
 # the repository, so each call leaves one part in /tmp/gpu. The first also starts building llama.cpp
 # in the background (about 10 minutes on 16 cores), so it runs while the other parts arrive.
-#   bash benchmarks/gpu_stash.sh .whl/p1   (then p2, p3; gpu_run.sh takes p4)
+#   bash benchmarks/gpu_stash.sh .whl/p1   (then p2, p3, p4; gpu_run.sh takes p5)
 set -euo pipefail
 mkdir -p /tmp/gpu
 cp "$1"/mlx.part* /tmp/gpu/

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build what the GPU scripts carry to the device machine, under .whl/ (git-ignored), from the package index:
-#   .whl/p1..p4  MLX 0.32.4 for CUDA 13 (the mlx and mlx-cuda-13 wheels unpacked, tar | xz -9, split in
-#                four parts of at most 20 MB, so each call stays under the 64 MiB limit with the repository),
+#   .whl/p1..p5  MLX 0.32.4 for CUDA 13 (the mlx and mlx-cuda-13 wheels unpacked, tar | xz -9, split in
+#                five parts of at most 16 MB, so each call stays under the 64 MiB limit with the repository),
 #   .whl/p1      also llama.cpp's source as llama-cpp-python 0.3.36 vendors it, cut to what llama-bench and
 #                llama-batched-bench need with the CPU and CUDA backends,
-#   .whl/p4      also the gguf wheel.
+#   .whl/p5      also the gguf wheel.
 # Takes a few minutes (xz -9 of ~190 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,11 +17,11 @@ pip_download mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0
 mkdir -p "$work/site"
 for wheel in "$work"/dl/mlx*.whl; do unzip -q -o "$wheel" -d "$work/site"; done
 (cd "$work/site" && tar cf - . | xz -9 -T0 > "$work/mlx.tar.xz")
-rm -rf .whl/p1 .whl/p2 .whl/p3 .whl/p4
-mkdir -p .whl/p1 .whl/p2 .whl/p3 .whl/p4
-split -b 20000000 -d "$work/mlx.tar.xz" "$work/mlx.part"
-for i in 0 1 2 3; do mv "$work/mlx.part0$i" ".whl/p$((i + 1))/"; done
-cp "$work"/dl/gguf-*.whl .whl/p4/
+rm -rf .whl/p1 .whl/p2 .whl/p3 .whl/p4 .whl/p5
+mkdir -p .whl/p1 .whl/p2 .whl/p3 .whl/p4 .whl/p5
+split -b 16000000 -d "$work/mlx.tar.xz" "$work/mlx.part"
+for i in 0 1 2 3 4; do mv "$work/mlx.part0$i" ".whl/p$((i + 1))/"; done
+cp "$work"/dl/gguf-*.whl .whl/p5/
 
 python3 -m pip download -q --no-deps --no-binary :all: -d "$work/src" llama-cpp-python==0.3.36
 tar xzf "$work"/src/llama_cpp_python-0.3.36.tar.gz -C "$work/src"

@@ -3,10 +3,10 @@
     python benchmarks/profile_decode.py MODEL.gguf [--dequantize] [--context 512] [--reps 20] [--json OUT]
 
 Times, each the median of repeated runs after a warm-up:
-  step       one whole decode step, evaluated synchronously (host graph building + device work)
+  step       one whole (compiled) decode step, evaluated synchronously (host work + device work)
   pipelined  the same step with the next one queued before waiting, as generation runs it
-  host       building the step's graph in Python, with no evaluation
-  linear     every projection of the step (7 per layer), each kernel alone
+  host       the host's part of a step: the compiled step's call, with no evaluation
+  linear     every projection of the step (5 to 7 per layer, fusion.py), each kernel alone
   lm_head    the output projection
   attention  RoPE and fused attention over the cache, every layer
   other      what is left: norms, activations, residual adds, embedding lookup, launch gaps
@@ -61,7 +61,7 @@ def profile(path: str, dequantize: bool, context: int, reps: int) -> dict:
     token = mx.array([[1]])
 
     def step():
-        out = model(token, cache)
+        out = model.step(token, cache)
         for c in cache:
             c.trim(1)
         return out
@@ -87,7 +87,7 @@ def profile(path: str, dequantize: bool, context: int, reps: int) -> dict:
     x_ffn = mx.random.normal((1, 1, config.ffn_size)).astype(dtype)
     linear = 0.0
     for block in model.blk:
-        layers = [block.attn_q, block.attn_k, block.attn_v, block.attn_output, block.ffn_gate, block.ffn_up]
+        layers = [m for name, m in block.children().items() if "norm" not in name and name != "ffn_down"]
         linear += kernels_seconds(lambda: [f(x) for f in layers] + [block.ffn_down(x_ffn)], reps)
     timings["linear"] = linear
     head_layer = model.token_embd if config.tied_output else model.output

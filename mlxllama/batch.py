@@ -22,9 +22,8 @@ import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TextIO
 
-import click
 import mlx.core as mx
 
 from .cache import make_batch_cache, make_cache
@@ -390,7 +389,12 @@ class BatchStats:
         return "\n".join(f"{key.replace('_', ' '):<{width}}  {value}" for key, value in fields.items())
 
 
-def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats) -> None:
+# Given the number of jobs, a context entered while they run; what it yields is called as each
+# job's record is written (the command line draws a progress bar with it).
+Progress = Callable[[int], ContextManager[Callable[[], None]]]
+
+
+def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress) -> None:
     """Run the jobs with batched decoding, writing each record in order; Ctrl-C stops after the current step."""
     requests, owners = [], []
     for position, job in enumerate(jobs):
@@ -400,8 +404,7 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
     results: list[list[GenerationResult | None]] = [[None] * len(job.requests) for job in jobs]
     writer = OrderedWriter(out)
     start = time.perf_counter()
-    progress = click.progressbar(length=len(jobs), label="batch", file=sys.stderr) if sys.stderr.isatty() else None
-    with progress if progress is not None else nullcontext(), Interruptible() as interrupt:
+    with progress(len(jobs)) as written, Interruptible() as interrupt:
         for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size):
             for index, result in finished:
                 position, run = owners[index]
@@ -410,8 +413,7 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
                 stats.generated_tokens += len(result.token_ids)
                 if all(r is not None for r in results[position]):
                     writer.put(position, job_record(jobs[position], results[position]))
-                    if progress is not None:
-                        progress.update(1)
+                    written()
             stats.done, stats.seconds = writer.written, time.perf_counter() - start
             if interrupt.requested:
                 stats.interrupted = True
@@ -419,26 +421,20 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
 
 
 def run_batch(runtime, lines: Iterable[str], source: str, out_path: str, settings: BatchSettings,
-              text_input: bool = False, batch_size: int = 8, summary: str = "table") -> int:
-    """Run the prompts of an input file and append their results to out_path ('-': stdout); return the exit code.
+              report: Callable[[str], None], progress: Progress, text_input: bool = False,
+              batch_size: int = 8) -> BatchStats:
+    """Run the prompts of an input file and append their results to out_path ('-': stdout).
 
-    Exit codes: 0 when every line ran; 2 when some lines were bad (each reported on stderr with
-    its line number, and skipped; the others ran); 130 when Ctrl-C stopped the run (the results
-    written are kept, and running the same command again resumes).
+    A bad line is passed to `report` with its line number, and skipped; the others run. Ctrl-C
+    stops the run after the current step (`interrupted` in the stats): the results written are
+    kept, and running again with the same out_path resumes.
     """
     done = set() if out_path == "-" else read_done(out_path)
     try:
-        jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done,
-                                               lambda message: click.echo(message, err=True))
+        jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done, report)
     except UnicodeDecodeError as e:
         raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
-    stdout = out_path == "-"
-    with nullcontext(sys.stdout) if stdout else open(out_path, "a", encoding="utf-8") as out:
-        run_jobs(runtime, jobs, out, batch_size, stats)
-    click.echo(stats.summary(summary), err=True)
-    if stats.interrupted:
-        where = "written to stdout" if stdout else f"in {out_path}; run the same command again to resume"
-        click.echo(f"mlxllama: interrupted: {stats.done} of {stats.prompts} prompts done, {where}", err=True)
-        return 130
-    return 2 if errors else 0
+    with nullcontext(sys.stdout) if out_path == "-" else open(out_path, "a", encoding="utf-8") as out:
+        run_jobs(runtime, jobs, out, batch_size, stats, progress)
+    return stats

@@ -96,7 +96,7 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
     mx.eval(token)
     start = time.perf_counter()
     for _ in range(n_gen):
-        next_token = mx.argmax(model(token, cache)[:, -1:], axis=-1)
+        next_token = mx.argmax(model.step(token, cache), axis=-1)[:, None]
         mx.async_eval(next_token)
         token.tolist()  # the host takes each token while the next step runs, as generate_tokens does
         token = next_token
@@ -105,13 +105,13 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
 
 
 def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
-        dequantize: bool = False, dtype: mx.Dtype | None = None) -> BenchReport:
+        dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None) -> BenchReport:
     """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test."""
     tensor_bytes, params = file_tensor_stats(path)
     # Memory is counted from here, so arrays that the calling process already holds are left out.
     held_before = mx.get_active_memory()
     mx.reset_peak_memory()
-    runtime = load(path, dtype=dtype, dequantize=dequantize)
+    runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length)
     report = BenchReport(
         model=os.path.basename(path), mode="dequantize" if dequantize else "native", device=device_name(),
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,

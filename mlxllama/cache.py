@@ -14,6 +14,10 @@ class KVCache:
         # Number of positions filled; also the RoPE position of the next token.
         self.offset = 0
 
+    def mask(self, length: int) -> str | None:
+        """Each new token sees every cached position and the new tokens up to itself (model.causal_mask)."""
+        return None if length == 1 else "causal"
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
@@ -34,6 +38,11 @@ class KVCache:
             grown_v[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = grown_k, grown_v
 
+    def reserve(self, slots: int) -> None:
+        """Make the buffers (already allocated) hold at least `slots` positions."""
+        if slots > self.keys.shape[2]:
+            self._grow(self.keys, self.values, slots - self.offset)
+
     def trim(self, n: int) -> None:
         """Forget the last n positions (the storage is kept and overwritten later)."""
         self.offset = max(0, self.offset - n)
@@ -41,6 +50,32 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
+
+
+class SlotCache:
+    """One layer's whole KVCache buffers inside a compiled decode step (model.Transformer.step).
+
+    New keys/values are written at `position`, an array, so the step's shapes do not depend on
+    how many positions are filled; attention reads every slot and `mask` hides the slots past
+    the new token (zeros, or stale values after a trim).
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, position: mx.array):
+        self.keys, self.values, self.position = keys, values, position
+
+    @property
+    def offset(self) -> mx.array:
+        return self.position
+
+    def mask(self, length: int) -> mx.array:
+        query_pos = self.position + mx.arange(length)[:, None]
+        return mx.arange(self.keys.shape[2])[None, :] <= query_pos
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start = self.position.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        return self.keys, self.values
 
 
 def make_cache(n_layers: int) -> list[KVCache]:
@@ -59,11 +94,15 @@ class BatchKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.lengths: list[int] = []
+        # mx.array(lengths), built once per change: RoPE, the mask and the update all read it every step.
+        self._offset: mx.array | None = None
 
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE position of the next token."""
-        return mx.array(self.lengths)
+        if self._offset is None:
+            self._offset = mx.array(self.lengths)
+        return self._offset
 
     def mask(self, length: int) -> mx.array:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to themselves."""
@@ -79,7 +118,7 @@ class BatchKVCache:
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slots, values, axis=2)
-        self.lengths = [n + new for n in self.lengths]
+        self.lengths, self._offset = [n + new for n in self.lengths], None
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def add(self, cache: KVCache) -> None:
@@ -94,13 +133,13 @@ class BatchKVCache:
         pad = [(0, 0), (0, 0), (0, room), (0, 0)]
         self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
         self.values = mx.concatenate([self.values, mx.pad(values, pad)])
-        self.lengths.append(length)
+        self.lengths, self._offset = self.lengths + [length], None
 
     def keep(self, rows: list[int]) -> None:
         """Drop every row not listed, so finished sequences cost no more compute."""
         index = mx.array(rows, mx.int32)
         self.keys, self.values = self.keys[index], self.values[index]
-        self.lengths = [self.lengths[r] for r in rows]
+        self.lengths, self._offset = [self.lengths[r] for r in rows], None
 
     def _reserve(self, slots: int) -> None:
         capacity = self.keys.shape[2]

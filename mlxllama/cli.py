@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict
 from importlib.resources import files
+from typing import Callable, Iterator
 
 import click
 
@@ -121,10 +123,28 @@ def dequantize_requested() -> bool:
     return bool(click.get_current_context().meta.get("mlxllama.dequantize"))
 
 
-def load_model(model_path: str | None):
+def context_option(f):
+    # Not passed to the command: load_model reads it, as it reads --dequantize. A plain int, so that
+    # a bad value is the one-line error of the loader rather than click's usage message.
+    return click.option(
+        "--ctx", "-c", type=int, default=None, metavar="N", expose_value=False,
+        callback=lambda ctx, _param, value: ctx.meta.__setitem__("mlxllama.context_length", value),
+        help="Context length in tokens, at most the model's trained context (the default); as llama.cpp's -c,"
+             " it also picks Phi-3's short or long LongRoPE factors.",
+    )(f)
+
+
+def context_requested() -> int | None:
+    return click.get_current_context().meta.get("mlxllama.context_length")
+
+
+def load_model(model_path: str | None, context_length: int | None = None):
+    """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context."""
     from .runtime import load
 
-    return load(model_path or default_model_path(), dequantize=dequantize_requested())
+    if context_length is None:
+        context_length = context_requested()
+    return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length)
 
 
 def fit_prompt(runtime, ids: list[int], max_tokens: int, truncate: bool) -> list[int]:
@@ -152,6 +172,7 @@ def print_prompt(prompt) -> None:
 @main.command()
 @model_option
 @dequantize_option
+@context_option
 @click.option("--prompt", "-p", "prompt_text", required=True, help="The prompt ('-' reads it from stdin).")
 @template_options
 @click.option("--compare-template", is_flag=True, help="Run with and without the template, same settings and seed.")
@@ -228,6 +249,7 @@ Ctrl-C stops the current reply."""
 @main.command()
 @model_option
 @dequantize_option
+@context_option
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
@@ -311,9 +333,20 @@ def run_chat_command(session, line: str) -> bool:
     return False
 
 
+@contextmanager
+def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
+    """run_batch's progress: a bar on stderr, when it is a terminal, advanced as each job is written."""
+    if not sys.stderr.isatty():
+        yield lambda: None
+        return
+    with click.progressbar(length=jobs, label="batch", file=sys.stderr) as bar:
+        yield lambda: bar.update(1)
+
+
 @main.command()
 @model_option
 @dequantize_option
+@context_option
 @click.argument("prompts_file", metavar="PROMPTS", type=click.File("r", encoding="utf-8"))
 @click.option("--out", "-o", "out_path", default="-", show_default=True, metavar="FILE",
               help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
@@ -352,7 +385,14 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
                              system, kwargs, sampling_params(sampling), sampling["max_tokens"], sampling["stop"],
                              compare_template)
     source = "<stdin>" if prompts_file.name == "<stdin>" else prompts_file.name
-    sys.exit(run_batch(runtime, prompts_file, source, out_path, settings, text_input, batch_size, summary))
+    stats = run_batch(runtime, prompts_file, source, out_path, settings, lambda message: click.echo(message, err=True),
+                      batch_progress, text_input, batch_size)
+    click.echo(stats.summary(summary), err=True)
+    if stats.interrupted:
+        where = "written to stdout" if out_path == "-" else f"in {out_path}; run the same command again to resume"
+        click.echo(f"mlxllama: interrupted: {stats.done} of {stats.prompts} prompts done, {where}", err=True)
+        sys.exit(130)
+    sys.exit(2 if stats.errors else 0)
 
 
 @main.command("bench")
@@ -367,6 +407,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
               help="Comma-separated numbers of sequences decoded together in tg.")
 @click.option("--repetitions", "-r", default=5, show_default=True, help="Timed runs of each test, after a warm-up.")
 @dequantize_option
+@context_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, as_json):
     """Prompt (pp) and generation (tg) tokens/s, load time and memory, in the style of llama-bench.
@@ -391,13 +432,14 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
             if not os.path.exists(model_path):
                 synthetic_models.write(model_path, synthetic, quant)
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
-                           dequantize=dequantize_requested())
+                           dequantize=dequantize_requested(), context_length=context_requested())
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
 
 
 @main.command("trace")
 @model_option
 @dequantize_option
+@context_option
 @click.option("--prompt", "-p", "prompt_text", help="The prompt ('-' reads it from stdin).")
 @template_options
 @click.option("--steps", default=1, show_default=True,
@@ -466,7 +508,8 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
 @model_option
 @dequantize_option
 @click.argument("text_path", metavar="FILE", type=click.Path(dir_okay=False))
-@click.option("--ctx", "-c", "n_ctx", default=512, show_default=True, help="Chunk length in tokens (llama.cpp's -c).")
+@click.option("--ctx", "-c", "n_ctx", default=512, show_default=True,
+              help="Chunk length in tokens, and the context the model is loaded for (llama.cpp's -c).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of llama.cpp's lines.")
 def perplexity_command(model_path, text_path, n_ctx, as_json):
     """Perplexity on a text file, computed as llama.cpp's llama-perplexity computes it.
@@ -482,7 +525,8 @@ def perplexity_command(model_path, text_path, n_ctx, as_json):
     from .perplexity import perplexity, read_text
 
     text = read_text(text_path)
-    runtime = load_model(model_path)
+    # llama-perplexity's context is one chunk, which also picks Phi-3's LongRoPE factors.
+    runtime = load_model(model_path, n_ctx)
     tokens = runtime.tokenize(text, add_bos=True)
     bos_id = runtime.tokenizer.bos_id if runtime.tokenizer.add_bos else None
 

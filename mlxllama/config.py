@@ -19,13 +19,15 @@ class ModelConfig:
     # True: rotate adjacent pairs (llama.cpp's permuted Q/K for `llama`); False: NeoX half-split.
     rope_traditional: bool
     rms_eps: float
+    # The context chosen at load (at most the trained one): prompts and generation must fit in it.
     context_length: int
     vocab_size: int
     tied_output: bool
     # Per-pair RoPE frequency divisors (llama.cpp's freq_factors: Llama 3's rope_freqs, Phi-3's
-    # short factors), rope_dim / 2 of them; None: plain RoPE.
+    # short or long factors, picked by context_length), rope_dim / 2 of them; None: plain RoPE.
     rope_freq_factors: tuple[float, ...] | None = None
-    # Scale of the rotated Q/K dims after RoPE (rope.scaling.attn_factor: Phi-3's LongRoPE).
+    # Scale of the rotated Q/K dims after RoPE (rope.scaling.attn_factor: Phi-3's LongRoPE, which
+    # llama.cpp applies with the short factors as well as the long ones).
     rope_attn_factor: float = 1.0
     # Q/K/V projections with biases (Qwen2).
     attn_bias: bool = False

@@ -77,7 +77,7 @@ def generate_tokens(
     token = sampler(prefill(model, new_ids, cache), context)
     mx.async_eval(token)
     for n in range(1, max_tokens + 1):
-        next_token = sampler(model(token.reshape(1, 1), cache)[0, -1], context, token)
+        next_token = sampler(model.step(token.reshape(1, 1), cache)[0], context, token)
         mx.async_eval(next_token)
         token_id = token.item()
         context.append(token_id)
@@ -121,6 +121,7 @@ class TextCollector:
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
         self.stop_ids = tokenizer.stop_ids
         self.stop_strings = [s for s in stop_strings if s]
+        self.longest_stop = max(map(len, self.stop_strings), default=0)
         self.detok = StreamingDetokenizer(tokenizer)
         self.text = ""
         self.emitted = 0
@@ -132,8 +133,9 @@ class TextCollector:
         if token_id in self.stop_ids:
             self.finish = "stop"
             return ""
-        self.text += self.detok.add(token_id)
-        stop, cut = self._find_stop()
+        piece = self.detok.add(token_id)
+        self.text += piece
+        stop, cut = self._find_stop(len(piece))
         if stop is not None:
             self.text, self.finish, self.stop = self.text[:cut], "stop", stop
             return ""
@@ -151,8 +153,11 @@ class TextCollector:
         piece, self.emitted = self.text[self.emitted : end], end
         return piece
 
-    def _find_stop(self) -> tuple[str | None, int]:
-        hits = [(self.text.find(s), s) for s in self.stop_strings if s in self.text]
+    def _find_stop(self, new: int) -> tuple[str | None, int]:
+        # The text before the new piece held no stop string, so a match ends inside the piece:
+        # searching only from where such a match could start keeps long generations linear.
+        start = max(0, len(self.text) - new - self.longest_stop + 1)
+        hits = [(i, s) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return None, len(self.text)
         cut, s = min(hits)

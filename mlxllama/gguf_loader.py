@@ -27,10 +27,12 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "phi3")
 # Architectures whose converter permutes Q/K so that RoPE rotates adjacent pairs.
 ADJACENT_PAIR_ROPE = ("llama",)
-# Per-pair RoPE frequency divisors, the first present wins: Llama 3's rope_freqs, and Phi-3's short
-# factors, which llama.cpp uses while its context is within rope.scaling.original_context_length
-# (its long factors only for contexts beyond that, which this runtime does not select).
-ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
+# Per-pair RoPE frequency divisors: Llama 3's rope_freqs, else one of Phi-3's LongRoPE sets, which
+# llama.cpp picks by context size (see long_rope_factors).
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
+# llama.cpp rounds the context size up to a multiple of this before anything uses it.
+LLAMA_CPP_CONTEXT_PAD = 256
 
 # GGUFReader does pure-Python work for every metadata key, string-array item and tensor (about
 # 1 to 100 us each), so a hostile file of many tiny entries could keep it busy for minutes. These
@@ -281,8 +283,9 @@ def _field_value(field) -> Any:
     return field.parts[field.data[0]][0].item()
 
 
-def read_config(gguf: GGUFFile) -> ModelConfig:
-    """The model config, checked against the tensor headers so that building the model from it
+def read_config(gguf: GGUFFile, context_length: int | None = None) -> ModelConfig:
+    """The model config for a context of `context_length` tokens (None: the model's trained context,
+    llama.cpp's default), checked against the tensor headers so that building the model from it
     allocates no more than the file's tensors hold."""
     meta, path = gguf.metadata, gguf.path
 
@@ -335,6 +338,14 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         )
     if "token_embd.weight" not in tensors:
         raise MlxLlamaError(f"{path}: missing tensor 'token_embd.weight'")
+    trained_context = positive(f"{arch}.context_length", int)
+    if context_length is None:
+        context_length = trained_context
+    elif not 1 <= context_length <= trained_context:
+        raise MlxLlamaError(f"context length {context_length} is not between 1 and the model's trained context"
+                            f" of {trained_context}")
+    long_factors = long_rope_factors(
+        context_length, positive(f"{arch}.rope.scaling.original_context_length", int, trained_context))
     config = ModelConfig(
         architecture=arch,
         n_layers=n_layers,
@@ -348,33 +359,40 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         rope_scale=_rope_scale(gguf, arch, get, positive),
         rope_traditional=arch in ADJACENT_PAIR_ROPE,
         rms_eps=float(positive(f"{arch}.attention.layer_norm_rms_epsilon", float)),
-        context_length=positive(f"{arch}.context_length", int),
+        context_length=context_length,
         vocab_size=positive(f"{arch}.vocab_size", int, tensor_shape(tensors["token_embd.weight"])[0]),
         tied_output="output.weight" not in tensors,
-        rope_freq_factors=_rope_freq_factors(gguf, rope_dim),
+        rope_freq_factors=_rope_freq_factors(gguf, rope_dim, long_factors),
         rope_attn_factor=float(positive(f"{arch}.rope.scaling.attn_factor", float, 1.0)),
         attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         fused_qkv="blk.0.attn_qkv.weight" in tensors,
         # llama.cpp's phi3 always reads gate and up as one ffn_up of twice the FFN width.
         fused_gate_up=arch == "phi3",
     )
-    checked_shapes(gguf, config)
+    check_shapes(gguf, config)
     return config
 
 
-def _rope_freq_factors(gguf: GGUFFile, rope_dim: int) -> tuple[float, ...] | None:
-    for name in ROPE_FACTOR_TENSORS:
-        if name not in gguf.tensors:
-            continue
-        tensor = gguf.tensors[name]
-        if tensor_shape(tensor) != (rope_dim // 2,):
-            raise MlxLlamaError(
-                f"{gguf.path}: tensor {name!r} has shape {tensor_shape(tensor)}, expected {(rope_dim // 2,)} from the metadata")
-        factors = np.array(tensor_to_mlx(gguf, tensor, mx.float32), dtype=np.float64)
-        if not np.all((factors > 0) & np.isfinite(factors)):
-            raise MlxLlamaError(f"{gguf.path}: tensor {name!r} should hold positive RoPE frequency factors")
-        return tuple(factors.tolist())
-    return None
+def long_rope_factors(context_length: int, original_context_length: int) -> bool:
+    """Whether llama.cpp's get_rope_factors takes the long LongRoPE factors: when its per-sequence
+    context, rounded up to a multiple of 256, exceeds rope.scaling.original_context_length."""
+    padded = -(-context_length // LLAMA_CPP_CONTEXT_PAD) * LLAMA_CPP_CONTEXT_PAD
+    return padded > original_context_length
+
+
+def _rope_freq_factors(gguf: GGUFFile, rope_dim: int, long_factors: bool) -> tuple[float, ...] | None:
+    # As llama.cpp: rope_freqs wins; a missing LongRoPE set means plain RoPE, even if the other exists.
+    name = ROPE_FREQS if ROPE_FREQS in gguf.tensors else ROPE_FACTORS_LONG if long_factors else ROPE_FACTORS_SHORT
+    if name not in gguf.tensors:
+        return None
+    tensor = gguf.tensors[name]
+    if tensor_shape(tensor) != (rope_dim // 2,):
+        raise MlxLlamaError(
+            f"{gguf.path}: tensor {name!r} has shape {tensor_shape(tensor)}, expected {(rope_dim // 2,)} from the metadata")
+    factors = np.array(tensor_to_mlx(gguf, tensor, mx.float32), dtype=np.float64)
+    if not np.all((factors > 0) & np.isfinite(factors)):
+        raise MlxLlamaError(f"{gguf.path}: tensor {name!r} should hold positive RoPE frequency factors")
+    return tuple(factors.tolist())
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
@@ -425,10 +443,10 @@ def weight_dtype(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.Dtype
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: mx.Dtype = mx.float16) -> dict[str, mx.array]:
     """All tensors the model needs, under their GGUF names; norms stay float32 (they are tiny).
 
-    Shapes are checked against the metadata from the tensor headers, before any data is read.
+    config is read_config(gguf)'s, which has checked every one of these tensors' shapes.
     """
     weights = {}
-    for name, shape in checked_shapes(gguf, config).items():
+    for name, shape in expected_shapes(config).items():
         array = tensor_to_mlx(gguf, gguf.tensors[name], weight_dtype(name, shape, dtype))
         weights.update(split_fused(name, array, config))
     return weights
@@ -447,17 +465,15 @@ def split_fused(name: str, array: mx.array, config: ModelConfig) -> dict[str, mx
     return {name: array}
 
 
-def checked_shapes(gguf: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """expected_shapes(config), once every one of those tensors is known to be in the file with that shape."""
+def check_shapes(gguf: GGUFFile, config: ModelConfig) -> None:
+    """Every tensor of expected_shapes(config) must be in the file with that shape."""
     tensors = gguf.tensors
-    shapes = expected_shapes(config)
-    for name, shape in shapes.items():
+    for name, shape in expected_shapes(config).items():
         if name not in tensors:
             raise MlxLlamaError(f"{gguf.path}: missing tensor {name!r}")
         found = tensor_shape(tensors[name])
         if found != shape:
             raise MlxLlamaError(f"{gguf.path}: tensor {name!r} has shape {found}, expected {shape} from the metadata")
-    return shapes
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,10 +6,12 @@ weights load by name and a tensor can be followed from the file to the layer tha
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import BatchKVCache, KVCache
+from .cache import BatchKVCache, KVCache, SlotCache
 from .config import ModelConfig
 
 
@@ -34,9 +36,14 @@ class Block(nn.Module):
     def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         c = self.config
         batch, length, _ = x.shape
-        q = self.attn_q(x).reshape(batch, length, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
-        k = self.attn_k(x).reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-        v = self.attn_v(x).reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        if "attn_qkv" in self:  # fusion.py stacked the three
+            q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            q, k, v = mx.split(self.attn_qkv(x), [q_dim, q_dim + kv_dim], axis=-1)
+        else:
+            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q = q.reshape(batch, length, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
         base = c.rope_base if self._rope_freqs is None else None  # MLX takes one or the other
@@ -57,7 +64,11 @@ class Block(nn.Module):
         return h + self.mlp(self.ffn_norm(h))
 
     def mlp(self, x: mx.array) -> mx.array:
-        return self.ffn_down(nn.silu(self.ffn_gate(x)) * self.ffn_up(x))
+        if "ffn_gate_up" in self:
+            gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
+        else:
+            gate, up = self.ffn_gate(x), self.ffn_up(x)
+        return self.ffn_down(nn.silu(gate) * up)
 
 
 class Transformer(nn.Module):
@@ -70,6 +81,7 @@ class Transformer(nn.Module):
         self.output_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_eps)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._compiled_step = None
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """tokens [batch, length] -> logits [batch, length, vocab] (float32).
@@ -81,13 +93,38 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
         h = self.token_embd(tokens).astype(self.compute_dtype)
-        if cache and isinstance(cache[0], BatchKVCache):
-            mask = cache[0].mask(tokens.shape[1])
-        else:
-            mask = causal_mask(tokens.shape[1], cache[0].offset if cache else 0)
+        mask = cache[0].mask(tokens.shape[1]) if cache else causal_mask(tokens.shape[1])
         for i, block in enumerate(self.blk):
             h = block(h, mask, cache[i] if cache else None)
         return h
+
+    def step(self, tokens: mx.array, cache: list[KVCache]) -> mx.array:
+        """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab] (float32).
+
+        The same as `self(tokens, cache)[:, -1]`, but compiled: the step reads and writes the
+        cache's whole fixed-size buffers (cache.SlotCache), so its shapes stay the same from token
+        to token and one traced graph, with its element-wise operations fused, serves every step
+        until the buffers grow (every cache.GROWTH_STEP positions).
+        """
+        if cache[0].keys is None:
+            return self(tokens, cache)[:, -1]
+        for layer in cache:
+            layer.reserve(layer.offset + tokens.shape[1])
+        if self._compiled_step is None:
+            self._compiled_step = _compiled_step(self)
+        buffers = [a for layer in cache for a in (layer.keys, layer.values)]
+        for layer in cache:
+            layer.keys = layer.values = None  # so the step may write the buffers in place
+        logits, *buffers = self._compiled_step(tokens, mx.array(cache[0].offset), *buffers)
+        for i, layer in enumerate(cache):
+            layer.keys, layer.values = buffers[2 * i], buffers[2 * i + 1]
+            layer.offset += tokens.shape[1]
+        return logits
+
+    def _step(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> list[mx.array]:
+        slots = [SlotCache(k, v, position) for k, v in zip(buffers[::2], buffers[1::2])]
+        logits = self(tokens, slots)[:, -1]
+        return [logits] + [a for layer in slots for a in (layer.keys, layer.values)]
 
     def head(self, h: mx.array) -> mx.array:
         """The last layer's hidden states -> logits (float32)."""
@@ -96,13 +133,20 @@ class Transformer(nn.Module):
         return logits.astype(mx.float32)
 
 
-def causal_mask(length: int, offset: int):
-    """Each new token sees every cached position and the new tokens up to itself."""
-    if length == 1:
-        return None
-    query_pos = mx.arange(offset, offset + length)[:, None]
-    key_pos = mx.arange(offset + length)[None, :]
-    return key_pos <= query_pos
+def _compiled_step(model: Transformer):
+    """mx.compile of model._step, holding the model weakly: a model that held a function holding
+    the model would live until Python's cycle collector ran, keeping its weights in memory."""
+    model_ref = weakref.ref(model)
+    return mx.compile(lambda *args: model_ref()._step(*args))
+
+
+def causal_mask(length: int) -> str | None:
+    """Each new token sees every cached position and the new tokens up to itself.
+
+    MLX's "causal" aligns the queries with the last keys, which is exactly that for any number
+    of cached positions, and lets the fused attention skip the masked half.
+    """
+    return None if length == 1 else "causal"
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:

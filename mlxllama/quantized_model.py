@@ -19,6 +19,7 @@ from mlx.utils import tree_map_with_path
 
 from . import gguf_loader
 from .config import ModelConfig
+from .fusion import fuse_block
 from .model import Transformer
 from .quants import AFFINE_GROUP_SIZE, AFFINE_TYPES, AffineWeight, decode_blocks, symmetric_biases, to_affine
 
@@ -63,12 +64,24 @@ class NativeLinear(nn.Module):
 
     def __init__(self, weight: AffineWeight, output_bias: bool):
         super().__init__()
-        self.weight, self.scales, self.bits = weight.weight, weight.scales, weight.bits
+        self.weight, self.scales, self.bits, self.qtype = weight.weight, weight.scales, weight.bits, weight.qtype
         self.expand_rows = 1 if weight.qtype in GPU_EXPANDED_TYPES else DENSE_MIN_ROWS
         if weight.biases is not None:
             self.biases = weight.biases
         if output_bias:
             self.bias = mx.zeros((weight.weight.shape[0],))
+
+    @classmethod
+    def stack(cls, layers: list[NativeLinear]) -> NativeLinear | None:
+        """One layer whose output rows are the layers' outputs, in order; None unless their weights
+        have one form (bits, stored biases or not, device path)."""
+        first = layers[0]
+        if any(layer.bits != first.bits or layer.expand_rows != first.expand_rows
+               or ("biases" in layer) != ("biases" in first) for layer in layers):
+            return None
+        arrays = [mx.concatenate([layer[n] for layer in layers]) if n in first else None
+                  for n in ("weight", "scales", "biases")]
+        return cls(AffineWeight(*arrays, first.bits, first.qtype), output_bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         biases = self.biases if "biases" in self else symmetric_biases(self.scales)
@@ -85,15 +98,31 @@ class NativeLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def load_weights(gguf: gguf_loader.GGUFFile, config: ModelConfig,
-                 dtype: mx.Dtype) -> dict[str, mx.array | AffineWeight | Blocks]:
-    """What gguf_loader.load_weights gives, except that quantized matrices stay quantized.
+class TiedEmbedding(NativeLinear):
+    """A quantized token table that is also the output layer (model.Transformer.head calls as_linear).
+
+    The output is NativeLinear's product, so it takes the same device paths as every other
+    projection (GPU_EXPANDED_TYPES included); a lookup dequantizes only the rows it gathers.
+    """
+
+    as_linear = NativeLinear.__call__
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        scales = self.scales[ids]
+        biases = self.biases[ids] if "biases" in self else symmetric_biases(scales)
+        return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+
+
+def load_weights(gguf: gguf_loader.GGUFFile, config: ModelConfig, dtype: mx.Dtype,
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, mx.array | AffineWeight | Blocks]:
+    """The tensors named in `shapes` as gguf_loader.load_weights gives them, except that quantized
+    matrices stay quantized.
 
     Each tensor is converted and evaluated before the next is read, so the peak is the finished
     weights plus one slice's intermediates.
     """
     weights: dict[str, mx.array | AffineWeight | Blocks] = {}
-    for name, shape in gguf_loader.checked_shapes(gguf, config).items():
+    for name, shape in shapes.items():
         tensor = gguf.tensors[name]
         quantized = len(shape) == 2 and tensor.tensor_type in AFFINE_TYPES
         if quantized and name == "token_embd.weight" and not config.tied_output:
@@ -117,17 +146,29 @@ def _quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Mod
     if isinstance(weight, Blocks):
         return BlockEmbedding(weight)
     if isinstance(module, nn.Embedding):
-        # Tied to the output layer: it needs the matmul form.
-        layer = nn.QuantizedEmbedding(*module.weight.shape, group_size=AFFINE_GROUP_SIZE, bits=weight.bits)
-        layer.weight, layer.scales, layer.biases = weight.weight, weight.scales, weight.full_biases()
-        return layer
+        return TiedEmbedding(weight, output_bias=False)
     return NativeLinear(weight, "bias" in module)
 
 
 def build(gguf: gguf_loader.GGUFFile, config: ModelConfig, dtype: mx.Dtype) -> Transformer:
-    """The model with every quantized layer swapped for its quantized counterpart, weights loaded."""
-    weights = load_weights(gguf, config, dtype)
+    """The model with every quantized layer swapped for its quantized counterpart, weights loaded.
+
+    Blocks load one at a time and have their projections fused (fusion.py) as soon as they are
+    complete; the embedding and output layers, larger than a block, load last. So a block's parts
+    and their fused copy never sit next to all the other weights, and the load peak stays at the
+    finished weights plus one tensor's intermediates.
+    """
     model = Transformer(config, dtype)
+    shapes = gguf_loader.expected_shapes(config)
+    for i, block in enumerate(model.blk):
+        _load(model, load_weights(gguf, config, dtype, {n: s for n, s in shapes.items() if n.startswith(f"blk.{i}.")}))
+        fuse_block(block)
+    _load(model, load_weights(gguf, config, dtype, {n: s for n, s in shapes.items() if not n.startswith("blk.")}))
+    return model
+
+
+def _load(model: Transformer, weights: dict[str, mx.array | AffineWeight | Blocks]) -> None:
+    """Swap in the quantized layers that `weights` names and load its dense tensors."""
 
     def swap(path: str, module: nn.Module) -> nn.Module:
         weight = weights.get(f"{path}.weight")
@@ -136,4 +177,3 @@ def build(gguf: gguf_loader.GGUFFile, config: ModelConfig, dtype: mx.Dtype) -> T
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
     # Dense tensors and the biases of quantized layers; the swapped layers already hold the rest.
     model.load_weights([(n, w) for n, w in weights.items() if isinstance(w, mx.array)], strict=False)
-    return model

@@ -158,15 +158,20 @@ def _iq4_nl(b: mx.array) -> mx.array:
     return _f16(b, 0) * mx.take(_IQ4_KVALUES, _nibbles(b[:, 2:]))
 
 
-def _iq4_xs(b: mx.array) -> mx.array:
+def _iq4_xs_scales(b: mx.array) -> mx.array:
+    """The (n, 8) scales of the 32-value sub-blocks: d times a six-bit scale minus 32."""
     n = b.shape[0]
-    # 8 six-bit scales: low 4 bits in bytes 4-7 (low nibble first), top 2
-    # bits in the little-endian uint16 at bytes 2-3, 2 bits per sub-block.
+    # Low 4 bits in bytes 4-7 (low nibble first), top 2 bits in the little-endian uint16 at
+    # bytes 2-3, 2 bits per sub-block.
     low = _bits(b[:, 4:8], 2, 4).swapaxes(-1, -2).reshape(n, 8)
     high = _bits(b[:, 2:4], 4, 2).swapaxes(-1, -2).reshape(n, 8)
-    dl = (_f16(b, 0) * (_f32(low | (high << 4)) - 32)).reshape(n, 8, 1)
+    return _f16(b, 0) * (_f32(low | (high << 4)) - 32)
+
+
+def _iq4_xs(b: mx.array) -> mx.array:
+    n = b.shape[0]
     q = mx.take(_IQ4_KVALUES, _nibbles(b[:, 8:].reshape(n, 8, 16)))
-    return (dl * q).reshape(n, 256)
+    return (_iq4_xs_scales(b).reshape(n, 8, 1) * q).reshape(n, 256)
 
 
 _DECODERS: dict[GGMLQuantizationType, Callable[[mx.array], mx.array]] = {
@@ -232,7 +237,7 @@ AFFINE_GROUP_SIZE = 32
 AFFINE_SCALE_DTYPE = mx.float16
 # Rows are converted in slices of about this many values so that the unpacked intermediates
 # (up to 8 bytes a value) stay small next to the weights already loaded.
-_CHUNK_VALUES = 1 << 18
+_CHUNK_VALUES = 1 << 17
 
 
 class AffineWeight(NamedTuple):
@@ -300,11 +305,8 @@ def _affine_iq4_nl(b: mx.array):
 
 
 def _affine_iq4_xs(b: mx.array):
-    n = b.shape[0]
-    low = _bits(b[:, 4:8], 2, 4).swapaxes(-1, -2).reshape(n, 8)
-    high = _bits(b[:, 2:4], 4, 2).swapaxes(-1, -2).reshape(n, 8)
-    scale = _f16(b, 0) * (_f32(low | (high << 4)) - 32)
-    q = mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 8:].reshape(n, 8, 16)))
+    scale = _iq4_xs_scales(b)
+    q = mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 8:].reshape(b.shape[0], 8, 16)))
     return q, scale, -128 * scale
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from . import gguf_loader, quantized_model
 from .cache import KVCache, make_cache
 from .config import ModelConfig
+from .fusion import fuse_projections
 from .generate import GenerationResult, TextStream
 from .model import Transformer
 from .prompt import choose_template, render_messages
@@ -75,22 +76,30 @@ class Runtime:
         return self.stream(prompt, max_tokens, params, stop, special).run()
 
 
-def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False) -> Runtime:
+def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
+         context_length: int | None = None) -> Runtime:
     """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
+
+    `context_length` limits prompt plus generation (default: the model's trained context, as
+    llama.cpp's n_ctx) and, like llama.cpp's n_ctx, picks Phi-3's short or long LongRoPE factors.
+
+    Projections that read the same input are fused (fusion.py).
 
     Quantized matrices stay quantized (native mode, see quantized_model); `dequantize` expands
     every weight to `dtype` instead, the simple mode to compare against.
     """
     start = time.perf_counter()
     gguf = gguf_loader.open_gguf(path)
-    config = gguf_loader.read_config(gguf)
+    config = gguf_loader.read_config(gguf, context_length)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
     if dequantize:
         model = Transformer(config, dtype)
-        model.load_weights(list(gguf_loader.load_weights(gguf, config, dtype).items()))
+        # Not strict: read_config has checked every tensor's shape, and expected_shapes names every parameter.
+        model.load_weights(list(gguf_loader.load_weights(gguf, config, dtype).items()), strict=False)
+        fuse_projections(model)
     else:
-        model = quantized_model.build(gguf, config, dtype)
+        model = quantized_model.build(gguf, config, dtype)  # fuses block by block as it loads
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 

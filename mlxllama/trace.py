@@ -101,7 +101,7 @@ def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]
     that its logits are the model's.
     """
     h = model.token_embd(mx.array([list(ids)])).astype(model.compute_dtype)
-    mask = causal_mask(len(ids), cache[0].offset)
+    mask = causal_mask(len(ids))
     pieces = {"embd": h[0]}
     for i, block in enumerate(model.blk):
         attn = block.attention(block.attn_norm(h), mask, cache[i])

@@ -18,7 +18,9 @@ quantizes and records the references (the same llama.cpp version as the converte
 
 `convert` writes F32 GGUFs to --work (default /tmp/mlxllama-arch); `quantize` writes
 tests/fixtures/<name>.gguf and tests/reference/arch/<name>.npz (see make_llama_reference.py for
-what a reference holds, and PROMPTS below for the prompts).
+what a reference holds, and PROMPTS below for the prompts), recorded with llama.cpp's n_ctx at 512.
+A fixture with `contexts` also gets PASSAGE recorded at each of those n_ctx, under `ctx<n_ctx>/`:
+Phi-3's LongRoPE factors depend on it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 # Large enough that the logits are peaked (clear argmaxes to compare), small enough to stay finite.
 INIT_STD = 0.06
 
-# name -> vocabulary, special tokens kept (in order, after the normal ones), chat template, llama.cpp file type
+PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+                 "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+# name -> vocabulary, special tokens kept (in order, after the normal ones), chat template, llama.cpp file type;
+# Phi-3: the trained and original (LongRoPE) context lengths, and the llama.cpp contexts to record PASSAGE at.
 FIXTURE_SPECS = {
     "llama3-tiny-Q6_K": dict(
         vocab="llama-bpe", template="llama3", ftype="Q6_K",
@@ -52,10 +57,13 @@ FIXTURE_SPECS = {
         vocab="qwen2", template="chatml", ftype="Q8_0",
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>"),
     "phi3-tiny-Q5_K_M": dict(
-        vocab="phi-3", template="phi3", ftype="Q5_K_M",
-        specials=["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
-                  "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"],
-        bos="<s>", eos="<|endoftext|>"),
+        vocab="phi-3", template="phi3", ftype="Q5_K_M", specials=PHI3_SPECIALS, bos="<s>", eos="<|endoftext|>",
+        context=131072, original_context=4096),
+    # A small original context, so that llama.cpp's short factors (n_ctx 256) and long ones (its
+    # default n_ctx, the trained 4096) can both be recorded for one passage.
+    "phi3-longrope-tiny-Q8_0": dict(
+        vocab="phi-3", template="phi3", ftype="Q8_0", specials=PHI3_SPECIALS, bos="<s>", eos="<|endoftext|>",
+        context=4096, original_context=256, contexts=(256, 0)),
 }
 QUESTION = "What is the capital of Japan?"
 PLAIN = "The capital of Italy is Rome. It's 2024: naïve café, 東京 and 🦙 — isn't it 3.14?"
@@ -74,6 +82,15 @@ PROMPTS = {
         "plain": PLAIN,
     },
 }
+PROMPTS["phi3-longrope-tiny-Q8_0"] = PROMPTS["phi3-tiny-Q5_K_M"]
+# About 210 tokens: with its greedy continuation it fits the 256-token context of the short factors.
+PASSAGE = ("The old harbour town wakes before the sun. Fishing boats come back with the tide, and the market "
+           "fills with crates of sardines, crabs and silver mackerel. By eight the bakers have sold most of their "
+           "bread, the cafes put their chairs out on the square, and the first buses climb the hill to the "
+           "school. In summer the town doubles in size: visitors walk the sea wall, swim off the rocks below the "
+           "lighthouse and eat grilled fish at long tables by the water. In winter the storms arrive from the "
+           "west, the ferries stop for days at a time, and the people who stay mend nets, paint boats and wait "
+           "for spring.")
 
 
 # ---- convert (torch, transformers, llama.cpp's converter) ----------------------------------------
@@ -158,7 +175,7 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
     return KEPT_TOKENS + len(spec["specials"])
 
 
-def hf_model(name: str, vocab_size: int, token_ids: dict):
+def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -180,10 +197,12 @@ def hf_model(name: str, vocab_size: int, token_ids: dict):
         gen = torch.Generator().manual_seed(SEED)
         short = (1.0 + 2.0 * torch.rand(half, generator=gen)).tolist()
         long = (1.0 + 20.0 * torch.rand(half, generator=gen)).tolist()
-        config = Phi3Config(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
-                            original_max_position_embeddings=4096, pad_token_id=None,
+        original = spec["original_context"]
+        config = Phi3Config(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                            max_position_embeddings=spec["context"], original_max_position_embeddings=original,
+                            pad_token_id=None,
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
-                                             "long_factor": long, "original_max_position_embeddings": 4096})
+                                             "long_factor": long, "original_max_position_embeddings": original})
         model = Phi3ForCausalLM(config)
     # transformers starts biases at 0 and norms at 1, which would leave them untested.
     with torch.no_grad():
@@ -213,7 +232,7 @@ def convert(args) -> None:
         first_special = n_vocab - len(spec["specials"])
         ids = {f"{k}_token_id": first_special + spec["specials"].index(spec[k]) if spec[k] in spec["specials"] else 1
                for k in ("bos", "eos") if spec[k] is not None}
-        hf_model(name, n_vocab, ids).save_pretrained(out)
+        hf_model(name, spec, n_vocab, ids).save_pretrained(out)
         # The cut-down vocabulary cannot match the converter's hash of a full one: pin the name.
         pre = read_vocab(spec["vocab"]).get("tokenizer.ggml.pre", "default")
         base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
@@ -242,6 +261,8 @@ def quantize(args) -> None:
         record = reference(target, PROMPTS[name])
         for prompt, text in PROMPTS[name].items():
             record[f"{prompt}/text"] = np.array(text)
+        for n_ctx in spec.get("contexts", ()):
+            record.update({f"ctx{n_ctx}/{k}": v for k, v in reference(target, {"passage": PASSAGE}, n_ctx).items()})
         np.savez_compressed(REFERENCES / f"{name}.npz", **record)
         print(name, target.stat().st_size, {k: record[k].tolist() for k in record if k.endswith("greedy")})
 

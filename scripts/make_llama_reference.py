@@ -31,8 +31,9 @@ GREEDY_TOKENS = 16
 OUT = Path(__file__).resolve().parents[1] / "tests" / "reference" / "llama_cpp"
 
 
-def reference(path: Path, prompts: dict[str, str] = PROMPTS) -> dict:
-    llm = llama_cpp.Llama(str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False, seed=0)
+def reference(path: Path, prompts: dict[str, str] = PROMPTS, n_ctx: int = 512) -> dict:
+    """The record for `prompts` from llama.cpp with a context of n_ctx tokens (0: the model's trained context)."""
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, n_threads=2, verbose=False, seed=0)
     eos = llm.token_eos()
     record = {}
     for name, text in prompts.items():

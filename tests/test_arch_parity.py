@@ -3,7 +3,8 @@
 The fixtures (tests/fixtures/{llama3,qwen2,phi3}-tiny-*.gguf) are random-weight transformers models
 with real, cut-down tokenizers, converted and quantized by llama.cpp's own tools; the references
 (tests/reference/arch/*.npz) hold llama.cpp's ids and logits for their prompts. Both were made by
-scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply.
+scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply. test_longrope.py checks
+phi3-longrope-tiny's references at other context sizes.
 """
 
 from functools import lru_cache
@@ -23,11 +24,14 @@ PROMPTS = ("chat", "plain")
 # Random weights give flatter distributions than a trained model's, so fewer positions clear
 # NEAR_TIE than test_llama_parity.py asks of its fixtures; the KL bar still covers every position.
 MIN_DECIDED = 0.5
+# llama.cpp's n_ctx when the references were recorded: it picks Phi-3's LongRoPE factors, so the
+# models are loaded for the same context.
+REFERENCE_CONTEXT = 512
 
 
 @lru_cache(maxsize=1)
 def model(name: str):
-    return mlxllama.load(find_fixture_model(f"{name}.gguf"))
+    return mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=REFERENCE_CONTEXT)
 
 
 def reference(name: str) -> dict:
@@ -68,6 +72,6 @@ def test_each_fixture_exercises_its_architecture():
     assert llama3.rope_freq_factors[0] == 1.0 and llama3.rope_freq_factors[-1] == 32.0
     # Qwen2: Q/K/V biases, NeoX RoPE
     assert (qwen2.architecture, qwen2.attn_bias, qwen2.rope_traditional) == ("qwen2", True, False)
-    # Phi-3: fused QKV and gate/up, LongRoPE short factors and attention factor, untied output
+    # Phi-3: fused QKV and gate/up, LongRoPE factors and attention factor, untied output
     assert (phi3.architecture, phi3.fused_qkv, phi3.fused_gate_up, phi3.tied_output) == ("phi3", True, True, False)
     assert phi3.rope_freq_factors is not None and phi3.rope_attn_factor > 1.0

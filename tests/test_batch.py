@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from importlib.resources import files
 
 import mlx.core as mx
@@ -16,11 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 import mlxllama
-from mlxllama.batch import Request, batch_generate
+from mlxllama.batch import BatchSettings, Request, batch_generate, run_batch
 from mlxllama.cache import make_batch_cache, make_cache
 from mlxllama.cli import main
 from mlxllama.generate import prefill
-from mlxllama.prompt import build_prompt, choose_template, messages_for
+from mlxllama.prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
 from mlxllama.sampling import SamplingParams
 
 MODEL = str(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf")
@@ -98,6 +99,44 @@ def test_stop_strings_and_max_tokens_per_prompt(runtime):
     results = batch_generate(runtime, [Request(runtime.tokenize(RAW[0]), 8, stop=(".",)), RAW[0]], max_tokens=2)
     assert (results[0].text, results[0].finish_reason, results[0].stop) == (" Rome", "stop", ".")
     assert len(results[1].token_ids) == 2 and results[1].finish_reason == "length"
+
+
+def test_batch_cache_builds_its_offset_once_per_change():
+    """RoPE, the mask and the update of a step all read one offset array; it follows every change of lengths."""
+    layer = make_batch_cache(1)[0]
+    for length in (3, 5):
+        single = make_cache(1)[0]
+        single.update_and_fetch(mx.zeros((1, 2, length, 4)), mx.zeros((1, 2, length, 4)))
+        layer.add(single)
+    offset = layer.offset
+    layer.mask(1)
+    assert layer.offset is offset and offset.tolist() == [3, 5]
+    layer.update_and_fetch(mx.ones((2, 2, 1, 4)), mx.ones((2, 2, 1, 4)))
+    assert layer.offset.tolist() == [4, 6]
+    layer.keep([1])
+    assert layer.offset.tolist() == [6]
+
+
+def test_job_runner_reports_through_its_callers_callbacks(runtime, tmp_path, capfd):
+    """The runner prints nothing and needs no click: bad lines and progress go to the callbacks the CLI passes."""
+    lines = ['{"id": "a", "prompt": "Hi", "max_tokens": 2}\n', "not json\n", '{"id": "b", "prompt": "Yo", "max_tokens": 2}\n']
+    reported, progress = [], []
+
+    @contextmanager
+    def track(jobs):
+        progress.append(jobs)
+        yield lambda: progress.append("written")
+
+    out = tmp_path / "out.jsonl"
+    stats = run_batch(runtime, lines, "in.jsonl", str(out), BatchSettings(NO_TEMPLATE), reported.append, track)
+    assert capfd.readouterr() == ("", "")
+    assert reported == ["in.jsonl:2: not valid JSON (Expecting value at column 1)"]
+    assert progress == [2, "written", "written"]
+    assert (stats.prompts, stats.done, stats.errors, stats.interrupted) == (2, 2, 1, False)
+    assert [r["id"] for r in read_results(out)] == ["a", "b"]
+    imported = subprocess.run([sys.executable, "-c", "import sys, mlxllama.batch; print(sorted(sys.modules))"],
+                              capture_output=True, text=True, check=True).stdout
+    assert "'mlxllama.batch'" in imported and "'click'" not in imported
 
 
 def write_lines(path, lines):

@@ -118,3 +118,25 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     broken = tmp_path / "broken.jinja"
     broken.write_text("line one\n{% for m in messages %}\n{{ m.content }\n")
     one_line_error(run("generate", "-p", "x", "--template-file", str(broken)), "line 3")
+
+
+def test_ctx_outside_the_trained_context_is_a_one_line_error():
+    corpus = str(find_fixture_model("perplexity-corpus.txt"))
+    commands = [["generate", "-p", "x"], ["chat"], ["batch", "-"], ["trace", "-p", "x"], ["bench", "-r", "1"],
+                ["perplexity", corpus]]
+    for command in commands:
+        for ctx in ("0", "-3", "513"):  # the demo model is trained for 512 tokens
+            one_line_error(run(*command, "--ctx", ctx, input=""),
+                           f"context length {ctx} is not between 1 and the model's trained context of 512")
+
+
+def test_ctx_limits_the_prompt_and_the_generation():
+    prompt = ["-p", "The capital of Italy is", "--no-template"]  # 6 tokens
+    out = generate_json(*prompt, "--ctx", "8", "-n", "16")
+    assert (out["text"], out["finish_reason"]) == (" Rome.", "length")
+    one_line_error(run("generate", *prompt, "--ctx", "5"), "prompt is 6 tokens, more than the model's context of 5")
+    one_line_error(run("trace", *prompt, "-c", "5"), "prompt is 6 tokens, more than the model's context of 5")
+    one_line_error(run("bench", "-p", "64", "-n", "4", "-r", "1", "--ctx", "32"),
+                   "do not fit the model's context of 32")
+    truncated = run("generate", *prompt, "--ctx", "5", "--truncate", "-n", "1")
+    assert truncated.exit_code == 0 and "kept 4 of the context's 5" in truncated.stderr, truncated.output

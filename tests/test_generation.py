@@ -1,5 +1,7 @@
 """The model, cache and generation loop on the bundled chat-tiny Q4_K_M."""
 
+import gc
+import weakref
 from functools import lru_cache
 
 import mlx.core as mx
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlxllama
-from mlxllama.generate import generate_tokens, prefill
+from mlxllama.generate import TextCollector, generate_tokens, prefill
 from mlxllama.sampling import SamplingParams, apply_repeat_penalty, filter_logits, make_sampler
 from conftest import find_fixture_model
 
@@ -47,6 +49,26 @@ def test_incremental_decoding_matches_one_full_forward_pass():
     incremental = np.concatenate([np.array(s) for s in steps])
     np.testing.assert_allclose(incremental, full, atol=2e-3, rtol=0)
 
+def test_compiled_step_matches_the_full_pass_across_buffer_growth_and_trim():
+    """Transformer.step attends over whole fixed-size buffers under a mask; it must see exactly the
+    cached positions: when the buffers grow (position 256), and after a trim leaves stale slots."""
+    m = chat_tiny()
+    rng = np.random.default_rng(0)
+    ids = [1] + rng.integers(3, m.config.vocab_size, size=259).tolist()
+    full = m.logits(ids)
+    cache = m.new_cache()
+    mx.eval(prefill(m.model, ids[:254], cache))
+    steps = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in ids[254:]]
+    assert [c.offset for c in cache] == [260] * m.config.n_layers
+    assert cache[0].keys.shape[2] == 512
+    np.testing.assert_allclose(np.stack(steps), full[254:], atol=2e-3, rtol=0)
+    for layer in cache:
+        layer.trim(3)
+    other = [5, 6, 7]
+    stepped = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in other]
+    np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:257] + other)[257:], atol=2e-3, rtol=0)
+
+
 
 def test_greedy_chat_answer_stops_at_eos():
     result = chat_tiny().generate(JAPAN_IDS, max_tokens=20)
@@ -83,6 +105,42 @@ def test_stop_string_across_token_boundary_is_not_emitted():
     assert stream.result.text == "The capital "
     assert "".join(pieces) == "The capital "
     assert stream.result.finish_reason == "stop" and stream.result.stop == "of Ja"
+
+
+class PieceTokenizer:
+    """Token i decodes to pieces[i], so a test puts the token boundaries where it wants them."""
+
+    stop_ids = frozenset()
+    bos_id = None
+    add_space_prefix = False
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = [p.encode() for p in pieces]
+
+    def token_bytes(self, id: int) -> bytes:
+        return self.pieces[id]
+
+
+@pytest.mark.parametrize("pieces, stop, text, matched", [
+    # One character a token: the stop string starts as far back as a match can.
+    (["x", "a", "b", "c", "d", "y"], ["abcd"], "x", "abcd"),
+    (["ab", "cS", "T", "O", "Pxyz"], ["STOP"], "abc", "STOP"),
+    (["foo", "barSTOPbaz"], ["STOP"], "foobar", "STOP"),
+    # Both complete in the last token; the longer one, begun two tokens earlier, starts first.
+    (["say hello", " wo", "rld!"], ["wor", "hello world"], "say ", "hello world"),
+    # A held-back prefix that does not become the stop string is released.
+    (["ST", "OW", " STO", "P"], ["STOP"], "STOW ", "STOP"),
+    (["no", " stop", " here"], ["STOP"], "no stop here", None),
+])
+def test_stop_strings_spanning_token_boundaries(pieces, stop, text, matched):
+    collector = TextCollector(PieceTokenizer(pieces), stop)
+    streamed = ""
+    for token_id in range(len(pieces)):
+        streamed += collector.add(token_id)
+        if collector.finish:
+            break
+    streamed += collector.close()
+    assert (streamed, collector.text, collector.stop) == (text, text, matched)
 
 
 def test_streamed_text_equals_detokenized_ids():
@@ -146,3 +204,17 @@ def test_repeat_penalty_sees_every_generated_token():
 def test_empty_prompt_is_a_clear_error():
     with pytest.raises(mlxllama.MlxLlamaError, match="the prompt is empty"):
         chat_tiny().generate([], max_tokens=1)
+
+
+def test_a_model_that_has_generated_is_freed_when_dropped():
+    """Without waiting for Python's cycle collector: the compiled step must not keep its model
+    (and so the weights) alive, or the next load's memory figures and peak include the old one."""
+    gc.disable()
+    try:
+        runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+        runtime.generate(JAPAN_IDS, max_tokens=3)
+        model = weakref.ref(runtime.model)
+        del runtime
+        assert model() is None
+    finally:
+        gc.enable()

@@ -17,11 +17,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.nn as nn
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import mlxllama
+from mlxllama import gguf_loader
 from mlxllama.errors import MlxLlamaError
 from mlxllama.gguf_loader import load_weights, open_gguf, read_config
 
@@ -196,6 +199,26 @@ def test_fixture_and_compact_copy_load(tmp_path, fixture_bytes):
         config = read_config(gguf)
         assert config.n_layers == 2 and config.vocab_size == 512
         assert len(load_weights(gguf, config)) == 21
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_a_load_checks_the_tensor_shapes_once(fixture_model, monkeypatch, dequantize):
+    """read_config checks every tensor's shape; the weight loaders, native or dense, and MLX do not check again."""
+    checks, strict_loads = [], []
+    check_shapes, mlx_load = gguf_loader.check_shapes, nn.Module.load_weights
+
+    def check(*args):
+        checks.append(args)
+        check_shapes(*args)
+
+    def load(self, weights, strict=True):  # MLX's strict load compares every shape again
+        strict_loads.append(strict)
+        return mlx_load(self, weights, strict)
+
+    monkeypatch.setattr(gguf_loader, "check_shapes", check)
+    monkeypatch.setattr(nn.Module, "load_weights", load)
+    mlxllama.load(fixture_model(FIXTURE), dequantize=dequantize)
+    assert len(checks) == 1 and not any(strict_loads)
 
 
 def test_nonexistent_path(tmp_path):

@@ -14,8 +14,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import mlxllama
+import mlxllama.fusion
+from mlxllama.fusion import stacked
 import mlxllama.quantized_model
-from mlxllama.quantized_model import BlockEmbedding, NativeLinear, _quantized_layer
+from mlxllama.quantized_model import BlockEmbedding, NativeLinear, TiedEmbedding, _quantized_layer
 from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
 
 from conftest import find_fixture_model
@@ -81,10 +83,31 @@ def test_native_model_uses_quantized_layers_per_tensor_type():
     m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     layers = dict(m.model.named_modules())
     assert isinstance(layers["token_embd"], BlockEmbedding)
-    assert isinstance(layers["blk.0.attn_q"], NativeLinear) and layers["blk.0.attn_q"].bits == 4
+    # Q/K/V and gate/up are Q4_K and fused (fusion.py); layer 2's attn_v is Q6_K, so its three stay apart.
+    assert isinstance(layers["blk.0.attn_qkv"], NativeLinear) and layers["blk.0.attn_qkv"].bits == 4
+    assert layers["blk.0.attn_qkv"].weight.shape[0] == 256 + 2 * 64 and "attn_q" not in layers["blk.0"]
+    assert layers["blk.2.attn_v"].bits == 8 and layers["blk.2.attn_q"].bits == 4 and "attn_qkv" not in layers["blk.2"]
+    assert isinstance(layers["blk.2.ffn_gate_up"], NativeLinear)
     assert layers["output"].bits == 8 and "biases" not in layers["output"]  # Q6_K in this mix: symmetric
-    dense = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
-    assert type(dict(dense.model.named_modules())["blk.0.attn_q"]) is nn.Linear
+    dense = dict(mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True).model.named_modules())
+    assert type(dense["blk.0.attn_qkv"]) is nn.Linear and type(dense["blk.2.attn_qkv"]) is nn.Linear
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K", "Q5_0", "F16"])
+def test_stacked_projections_compute_their_parts_outputs(fixture_model, quant, monkeypatch):
+    path = fixture_model(f"types-tiny-{quant}.gguf")
+    fused = mlxllama.load(path, dequantize=quant == "F16")
+    monkeypatch.setattr(mlxllama.fusion, "stacked", lambda layers: None)
+    apart = mlxllama.load(path, dequantize=quant == "F16")
+    block = apart.model.blk[0]
+    x = mx.random.normal((3, apart.config.hidden_size), key=mx.random.key(0))
+    for parts in ([block.attn_q, block.attn_k, block.attn_v], [block.ffn_gate, block.ffn_up]):
+        expected = np.concatenate([np.array(p(x)) for p in parts], axis=-1)
+        np.testing.assert_allclose(np.array(stacked(parts)(x)), expected, rtol=0, atol=1e-5)
+    ids = [1, 5, 9, 300, 4]
+    np.testing.assert_allclose(fused.logits(ids), apart.logits(ids), rtol=0, atol=1e-4)
+    assert "attn_qkv" in fused.model.blk[0] and "attn_qkv" not in block
+
 
 
 def test_block_embedding_looks_up_the_exact_rows(fixture_model):
@@ -97,18 +120,42 @@ def test_block_embedding_looks_up_the_exact_rows(fixture_model):
     np.testing.assert_array_equal(np.array(BlockEmbedding(table)(ids)), exact[np.array(ids)])
 
 
-def test_tied_embedding_gets_the_matmul_form(fixture_model):
-    """A table that is also the output layer becomes an nn.QuantizedEmbedding (as_linear), biases filled in."""
-    tensor = next(t for t in gguf.GGUFReader(fixture_model("types-tiny-Q6_K.gguf")).tensors
-                  if t.name == "token_embd.weight")
+def tied_table(path) -> tuple[TiedEmbedding, np.ndarray]:
+    """The file's token table made into a table tied to the output layer, and the values it holds
+    (the exact ones for Q3_K, see test_affine_form_holds_the_ggml_values)."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
     shape = tuple(int(n) for n in reversed(tensor.shape))
     affine = to_affine(tensor.data, tensor.tensor_type, shape)
-    layer = _quantized_layer(nn.Embedding(*shape), affine)
-    assert isinstance(layer, nn.QuantizedEmbedding)
-    x = mx.random.normal((2, shape[1]))
     dense = mx.dequantize(affine.weight, affine.scales.astype(mx.float32), affine.full_biases().astype(mx.float32),
-                          group_size=32, bits=8)
-    np.testing.assert_allclose(np.array(layer.as_linear(x)), np.array(x @ dense.T), rtol=1e-3, atol=1e-3)
+                          group_size=32, bits=affine.bits)
+    return _quantized_layer(nn.Embedding(*shape), affine), np.array(dense)
+
+
+@pytest.mark.parametrize("quant", ["Q6_K", "Q3_K"])
+def test_tied_embedding_looks_up_rows_and_computes_the_output(fixture_model, quant):
+    """A table that is also the output layer: a lookup gives its rows, as_linear the product with the whole table."""
+    layer, values = tied_table(fixture_model(f"types-tiny-{quant}.gguf"))
+    assert isinstance(layer, TiedEmbedding)
+    ids = mx.array([[3, 0, 511], [7, 7, 1]])
+    np.testing.assert_allclose(np.array(layer(ids)), values[np.array(ids)], rtol=1e-3, atol=1e-3)
+    x = mx.random.normal((2, 1, values.shape[1]), key=mx.random.key(0))
+    np.testing.assert_allclose(np.array(layer.as_linear(x)), np.array(x) @ values.T, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("quant, quantized_matmuls", [("Q3_K", 0), ("Q6_K", 1)])
+def test_tied_output_honours_gpu_expanded_types(fixture_model, monkeypatch, quant, quantized_matmuls):
+    """On a GPU a tied Q3_K output layer, like any Q3_K projection, multiplies by its expanded float
+    weight even for one row; other types keep the quantized matmul for a few rows."""
+    layer, values = tied_table(fixture_model(f"types-tiny-{quant}.gguf"))
+    x = mx.random.normal((1, 1, values.shape[1]), key=mx.random.key(0))
+    calls = []
+    quantized_matmul = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: calls.append(a) or quantized_matmul(*a, **kw))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    out = np.array(layer.as_linear(x))
+    assert len(calls) == quantized_matmuls
+    # As in test_native_linear_paths_agree: an expanded weight is rounded to float16.
+    np.testing.assert_allclose(out, np.array(x) @ values.T, rtol=1e-2, atol=5e-3)
 
 
 def test_float_files_stay_dense_in_native_mode():

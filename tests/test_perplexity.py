@@ -46,7 +46,7 @@ def llama_cpp(quant: str, n_ctx: int = N_CTX) -> dict:
 @pytest.fixture
 def cli_with_fixed_nll(monkeypatch):
     """The CLI with every scored token costing 2 nats, to check its output without computing."""
-    monkeypatch.setattr("mlxllama.cli.load_model", lambda path: runtime("Q4_K_M"))
+    monkeypatch.setattr("mlxllama.cli.load_model", lambda path, context_length=None: runtime("Q4_K_M"))
     monkeypatch.setattr("mlxllama.perplexity.chunk_nll",
                         lambda model, chunk, first: np.full(len(chunk) - first - 1, 2.0))
     return lambda *args: CliRunner().invoke(main, ["perplexity", str(CORPUS), *args])

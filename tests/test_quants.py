@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as reference
 
-from mlxllama.quants import SUPPORTED_TYPES, dequantize
+from mlxllama.quants import SUPPORTED_TYPES, _iq4_xs_scales, dequantize, to_affine
 
 TYPE_NAMES = [
     "F32", "F16", "BF16",
@@ -73,3 +73,19 @@ def test_shape_that_does_not_match_data_raises_value_error():
         dequantize(data, QT.Q8_0, (3, 32))
     with pytest.raises(ValueError):
         dequantize(data, QT.Q8_0, (4, 16))
+
+
+def test_iq4_xs_scales_unpack_as_ggml_does():
+    """IQ4_XS's sub-block scales, decoded once (_iq4_xs_scales) for both the exact and the affine form."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(16, 136), dtype=np.uint8)
+    blocks[:, :2] = rng.uniform(-1, 1, (16, 1)).astype(np.float16).view(np.uint8)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    scales_h = blocks[:, 2:4].copy().view("<u2")[:, 0].astype(np.int64)
+    # ggml's dequantize_row_iq4_xs: a nibble of scales_l, and two bits of scales_h above it, minus 32.
+    ls = np.stack([((blocks[:, 4 + ib // 2] >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
+                   for ib in range(8)], axis=1)
+    expected = d * (ls - 32).astype(np.float32)
+    np.testing.assert_array_equal(np.array(_iq4_xs_scales(mx.array(blocks))), expected)
+    affine = to_affine(blocks, QT.IQ4_XS, (1, 16 * 256))
+    np.testing.assert_array_equal(np.array(affine.scales), expected.astype(np.float16).reshape(1, -1))
