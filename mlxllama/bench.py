@@ -94,9 +94,12 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
     cache = make_cache(runtime.config.n_layers)
     token = mx.argmax(model(mx.array(random_ids(runtime, batch, 1, seed)), cache)[:, -1:], axis=-1)
     mx.eval(token)
+    # One sequence decodes as generate does (the compiled step); several as batch does, uncompiled:
+    # on an H100 the compiled step was 15% slower at 16 sequences (docs/benchmarks.md).
+    step = model.step if batch == 1 else (lambda tokens, kv: model(tokens, kv)[:, -1])
     start = time.perf_counter()
     for _ in range(n_gen):
-        next_token = mx.argmax(model.step(token, cache), axis=-1)[:, None]
+        next_token = mx.argmax(step(token, cache), axis=-1)[:, None]
         mx.async_eval(next_token)
         token.tolist()  # the host takes each token while the next step runs, as generate_tokens does
         token = next_token

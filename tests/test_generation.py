@@ -18,6 +18,13 @@ JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5
 TOKYO_ANSWER_IDS = [1576, 7483, 310, 5546, 338, 20377, 29889, 2]  # "The capital of Japan is Tokyo." EOS
 
 
+def logit_tolerance() -> float:
+    """Between two evaluation orders of the same logits: float32 on the CPU agrees to 2e-3; float16
+    on a GPU differed by up to 0.04 over 260 random tokens (an H100), while a wrong position or
+    mask moves logits by whole units."""
+    return 2e-3 if chat_tiny().model.compute_dtype == mx.float32 else 8e-2
+
+
 @lru_cache(maxsize=1)
 def chat_tiny():
     return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
@@ -47,7 +54,7 @@ def test_incremental_decoding_matches_one_full_forward_pass():
     steps = [m.model(mx.array([ids[:9]]), cache)[0], m.model(mx.array([ids[9:24]]), cache)[0]]
     steps += [m.model(mx.array([[token]]), cache)[0] for token in ids[24:]]
     incremental = np.concatenate([np.array(s) for s in steps])
-    np.testing.assert_allclose(incremental, full, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(incremental, full, atol=logit_tolerance(), rtol=0)
 
 def test_compiled_step_matches_the_full_pass_across_buffer_growth_and_trim():
     """Transformer.step attends over whole fixed-size buffers under a mask; it must see exactly the
@@ -61,12 +68,12 @@ def test_compiled_step_matches_the_full_pass_across_buffer_growth_and_trim():
     steps = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in ids[254:]]
     assert [c.offset for c in cache] == [260] * m.config.n_layers
     assert cache[0].keys.shape[2] == 512
-    np.testing.assert_allclose(np.stack(steps), full[254:], atol=2e-3, rtol=0)
+    np.testing.assert_allclose(np.stack(steps), full[254:], atol=logit_tolerance(), rtol=0)
     for layer in cache:
         layer.trim(3)
     other = [5, 6, 7]
     stepped = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in other]
-    np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:257] + other)[257:], atol=2e-3, rtol=0)
+    np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:257] + other)[257:], atol=logit_tolerance(), rtol=0)
 
 
 

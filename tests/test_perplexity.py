@@ -3,6 +3,12 @@
 tests/reference/perplexity.json is made by scripts/make_perplexity_reference.py (llama.cpp through
 llama-cpp-python), on tests/fixtures/perplexity-corpus.txt, which scripts/make_perplexity_corpus.py
 sampled from chat-tiny F16.
+
+tests/reference/perplexity-exact.json is made by scripts/exact_perplexity.py: the same computation
+as a plain numpy float64 forward pass over the dequantized weights, with no rounding of
+activations. At ctx 512 llama.cpp's CPU figures for the K-quants are off from it by 1.5-3.4%
+(its quantized matmuls round activations to 8 bits; on F32 copies of the same weights it is within
+0.1%), so ctx 512 is checked against the exact figures rather than llama.cpp's.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from mlxllama.perplexity import perplexity, read_text
 
 CORPUS = Path(__file__).parent / "fixtures" / "perplexity-corpus.txt"
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "perplexity.json").read_text())
+EXACT = json.loads((Path(__file__).parent / "reference" / "perplexity-exact.json").read_text())
 N_CTX = 128
 ORDER = ["F16", "Q8_0", "Q4_K_M", "Q2_K"]
+# F16 and the K-quants whose ctx-512 figures llama.cpp gets 1.4-3.4% off (about 10 s each on 2 cores).
+EXACT_512 = ["F16", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K"]
 
 
 @lru_cache(maxsize=None)
@@ -37,6 +46,10 @@ def runtime(quant: str):
 def our_ppl(quant: str):
     m = runtime(quant)
     return perplexity(m.model, m.tokenize(read_text(str(CORPUS))), N_CTX, m.tokenizer.bos_id)
+
+
+def exact(quant: str, n_ctx: int) -> dict:
+    return EXACT["models"][f"chat-tiny-{quant}"][str(n_ctx)]
 
 
 def llama_cpp(quant: str, n_ctx: int = N_CTX) -> dict:
@@ -66,6 +79,17 @@ def test_within_one_percent_of_llama_cpp(quant):
     assert (ours.n_tokens, ours.n_chunks, ours.n_scored) == (
         reference["n_tokens"], reference["n_chunks"], reference["n_scored"])
     assert ours.ppl == pytest.approx(reference["ppl"], rel=0.01)
+    assert ours.uncertainty == pytest.approx(reference["uncertainty"], rel=0.05)
+
+
+@pytest.mark.parametrize("quant", EXACT_512)
+def test_ctx_512_within_one_percent_of_the_exact_figure(quant):
+    """Against scripts/exact_perplexity.py's float64 computation: the issue asks 1%, 0.11% was observed."""
+    m, reference = runtime(quant), exact(quant, 512)
+    ours = perplexity(m.model, m.tokenize(read_text(str(CORPUS))), 512, m.tokenizer.bos_id)
+    assert (ours.n_tokens, ours.n_chunks, ours.n_scored) == (
+        reference["n_tokens"], reference["n_chunks"], reference["n_scored"])
+    assert ours.ppl == pytest.approx(reference["ppl"], rel=0.005)
     assert ours.uncertainty == pytest.approx(reference["uncertainty"], rel=0.05)
 
 
