@@ -113,8 +113,6 @@ class Transformer(nn.Module):
         if self._compiled_step is None:
             self._compiled_step = _compiled_step(self)
         buffers = [a for layer in cache for a in (layer.keys, layer.values)]
-        for layer in cache:
-            layer.keys = layer.values = None  # so the step may write the buffers in place
         logits, *buffers = self._compiled_step(tokens, mx.array(cache[0].offset), *buffers)
         for i, layer in enumerate(cache):
             layer.keys, layer.values = buffers[2 * i], buffers[2 * i + 1]
