@@ -1,8 +1,8 @@
-"""Make the small Llama 3, Qwen2 and Phi-3 fixtures and record llama.cpp's logits for them.
+"""Make the small Llama 3, Qwen2, Phi-3 and Mistral fixtures and record llama.cpp's logits for them.
 
 Each fixture is a Hugging Face `transformers` model built from a config with random weights and a
 real tokenizer cut down to its first few thousand pieces (Llama 3's and Qwen2's byte-level BPE,
-Phi-3's SentencePiece, taken from llama.cpp's vocab files in ../shared/fixtures/vocab), converted
+Phi-3's and Llama 2's SentencePiece, taken from llama.cpp's vocab files in ../shared/fixtures/vocab), converted
 by llama.cpp's own convert_hf_to_gguf.py and quantized by its quantizer. The converter recognizes a
 BPE pre-tokenizer by hashing a full vocabulary's output, which a cut-down one cannot reproduce, so
 the pre-tokenizer name is pinned to the original vocabulary's (tokenizer.ggml.pre).
@@ -20,7 +20,8 @@ quantizes and records the references (the same llama.cpp version as the converte
 tests/fixtures/<name>.gguf and tests/reference/arch/<name>.npz (see make_llama_reference.py for
 what a reference holds, and PROMPTS below for the prompts), recorded with llama.cpp's n_ctx at 512.
 A fixture with `contexts` also gets PASSAGE recorded at each of those n_ctx, under `ctx<n_ctx>/`:
-Phi-3's LongRoPE factors depend on it.
+Phi-3's LongRoPE factors depend on it. `--only NAME` (repeatable) limits either step to some fixtures,
+so that adding one leaves the others' files untouched.
 """
 
 from __future__ import annotations
@@ -64,7 +65,15 @@ FIXTURE_SPECS = {
     "phi3-longrope-tiny-Q8_0": dict(
         vocab="phi-3", template="phi3", ftype="Q8_0", specials=PHI3_SPECIALS, bos="<s>", eos="<|endoftext|>",
         context=4096, original_context=256, contexts=(256, 0)),
+    # Mistral 7B v0.2/v0.3 (converted to `llama`): GQA, RoPE theta 1e6, no sliding window, v0.2's
+    # template. Mistral's own vocabulary is not among the shared vocab files, so Llama 2's (llama-spm)
+    # stands in: a SentencePiece model of the same kind (BPE, byte fallback, <unk> <s> </s> at 0-2).
+    # Q4_K_M: the mix most published Mistral GGUFs use, and one the other fixtures do not cover.
+    "mistral-tiny-Q4_K_M": dict(
+        vocab="llama-spm", template="mistral", ftype="Q4_K_M", specials=[], bos="<s>", eos="</s>"),
 }
+# Vocabularies built as a SentencePiece tokenizer.model; the others as a byte-level BPE tokenizer.json.
+SPM_VOCABS = ("phi-3", "llama-spm")
 QUESTION = "What is the capital of Japan?"
 PLAIN = "The capital of Italy is Rome. It's 2024: naïve café, 東京 and 🦙 — isn't it 3.14?"
 PROMPTS = {
@@ -83,6 +92,10 @@ PROMPTS = {
     },
 }
 PROMPTS["phi3-longrope-tiny-Q8_0"] = PROMPTS["phi3-tiny-Q5_K_M"]
+PROMPTS["mistral-tiny-Q4_K_M"] = {
+    "chat": f"[INST] {QUESTION} [/INST]",  # llama.cpp adds the BOS
+    "plain": PLAIN,
+}
 # About 210 tokens: with its greedy continuation it fits the 256-token context of the short factors.
 PASSAGE = ("The old harbour town wakes before the sun. Fishing boats come back with the tide, and the market "
            "fills with crates of sardines, crabs and silver mackerel. By eight the bakers have sold most of their "
@@ -177,7 +190,8 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
 
 def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     common = dict(SHAPE, vocab_size=vocab_size, initializer_range=INIT_STD, **token_ids)
     if name.startswith("llama3"):
@@ -191,6 +205,11 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
         config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(config)
+    elif name.startswith("mistral"):
+        # Mistral 7B v0.2/v0.3: theta 1e6 and no sliding window (v0.1's 4096 window is gone).
+        config = MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=32768,
+                               sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = MistralForCausalLM(config)
     else:
         # Phi-3-mini-128k's LongRoPE: short/long factors per rotated pair, and an attention factor.
         half = SHAPE["hidden_size"] // SHAPE["num_attention_heads"] // 2
@@ -223,15 +242,17 @@ def convert(args) -> None:
     from conversion import base
 
     work = Path(args.work)
-    for name, spec in FIXTURE_SPECS.items():
+    for name, spec in selected(args):
         torch.manual_seed(SEED)
         out = work / name.rsplit("-", 1)[0]  # the directory name becomes general.name (phi3 needs "phi3" in it)
         out.mkdir(parents=True, exist_ok=True)
-        make_tokenizer = bpe_tokenizer if spec["vocab"] != "phi-3" else spm_tokenizer
+        make_tokenizer = spm_tokenizer if spec["vocab"] in SPM_VOCABS else bpe_tokenizer
         n_vocab = make_tokenizer(spec, out)
         first_special = n_vocab - len(spec["specials"])
-        ids = {f"{k}_token_id": first_special + spec["specials"].index(spec[k]) if spec[k] in spec["specials"] else 1
-               for k in ("bos", "eos") if spec[k] is not None}
+        # An added special's id follows the kept pieces; a kept one (SentencePiece's <s>, </s>) keeps its own.
+        tokens = read_vocab(spec["vocab"])["tokenizer.ggml.tokens"]
+        ids = {f"{k}_token_id": first_special + spec["specials"].index(spec[k]) if spec[k] in spec["specials"]
+               else tokens.index(spec[k]) for k in ("bos", "eos") if spec[k] is not None}
         hf_model(name, spec, n_vocab, ids).save_pretrained(out)
         # The cut-down vocabulary cannot match the converter's hash of a full one: pin the name.
         pre = read_vocab(spec["vocab"]).get("tokenizer.ggml.pre", "default")
@@ -251,7 +272,7 @@ def quantize(args) -> None:
     work = Path(args.work)
     FIXTURES.mkdir(parents=True, exist_ok=True)
     REFERENCES.mkdir(parents=True, exist_ok=True)
-    for name, spec in FIXTURE_SPECS.items():
+    for name, spec in selected(args):
         target = FIXTURES / f"{name}.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{spec['ftype']}")
@@ -267,6 +288,13 @@ def quantize(args) -> None:
         print(name, target.stat().st_size, {k: record[k].tolist() for k in record if k.endswith("greedy")})
 
 
+def selected(args) -> list:
+    unknown = set(args.only or ()) - FIXTURE_SPECS.keys()
+    if unknown:
+        raise SystemExit(f"no such fixture: {', '.join(sorted(unknown))}")
+    return [(name, spec) for name, spec in FIXTURE_SPECS.items() if not args.only or name in args.only]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
@@ -275,6 +303,8 @@ def main() -> None:
     conv.add_argument("--work", default="/tmp/mlxllama-arch")
     quant = sub.add_parser("quantize")
     quant.add_argument("--work", default="/tmp/mlxllama-arch")
+    for step in (conv, quant):
+        step.add_argument("--only", action="append", metavar="NAME", help="this fixture only (repeatable)")
     args = parser.parse_args()
     convert(args) if args.step == "convert" else quantize(args)
 

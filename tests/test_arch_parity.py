@@ -1,6 +1,6 @@
-"""Llama 3, Qwen2 and Phi-3 against llama.cpp: tokenization, logits (KL), argmax and greedy ids.
+"""Llama 3, Qwen2, Phi-3 and Mistral against llama.cpp: tokenization, logits (KL), argmax and greedy ids.
 
-The fixtures (tests/fixtures/{llama3,qwen2,phi3}-tiny-*.gguf) are random-weight transformers models
+The fixtures (tests/fixtures/{llama3,qwen2,phi3,mistral}-tiny-*.gguf) are random-weight transformers models
 with real, cut-down tokenizers, converted and quantized by llama.cpp's own tools; the references
 (tests/reference/arch/*.npz) hold llama.cpp's ids and logits for their prompts. Both were made by
 scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply. test_longrope.py checks
@@ -40,7 +40,7 @@ def reference(name: str) -> dict:
 
 
 def test_every_architecture_has_a_reference():
-    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "phi3"}
+    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "phi3", "mistral"}
 
 
 @pytest.mark.parametrize("name", REFERENCES)
@@ -65,8 +65,8 @@ def test_greedy_continuation_matches_llama_cpp(name):
 
 
 def test_each_fixture_exercises_its_architecture():
-    llama3, qwen2, phi3 = (model(next(n for n in REFERENCES if n.startswith(a))).config
-                           for a in ("llama3", "qwen2", "phi3"))
+    llama3, qwen2, phi3, mistral = (model(next(n for n in REFERENCES if n.startswith(a))).config
+                                    for a in ("llama3", "qwen2", "phi3", "mistral"))
     # Llama 3: rope_freqs from the llama3 RoPE scaling, adjacent-pair RoPE, tied output
     assert (llama3.architecture, llama3.rope_traditional, llama3.tied_output) == ("llama", True, True)
     assert llama3.rope_freq_factors[0] == 1.0 and llama3.rope_freq_factors[-1] == 32.0
@@ -75,3 +75,6 @@ def test_each_fixture_exercises_its_architecture():
     # Phi-3: fused QKV and gate/up, LongRoPE factors and attention factor, untied output
     assert (phi3.architecture, phi3.fused_qkv, phi3.fused_gate_up, phi3.tied_output) == ("phi3", True, True, False)
     assert phi3.rope_freq_factors is not None and phi3.rope_attn_factor > 1.0
+    # Mistral: converted to `llama`, so adjacent-pair RoPE, with v0.2's theta 1e6, GQA, untied output
+    assert (mistral.architecture, mistral.rope_traditional, mistral.rope_base) == ("llama", True, 1e6)
+    assert mistral.n_kv_heads < mistral.n_heads and not mistral.tied_output and mistral.rope_freq_factors is None
