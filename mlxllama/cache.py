@@ -7,6 +7,15 @@ import mlx.core as mx
 GROWTH_STEP = 256
 
 
+def causal_mask(length: int) -> str | None:
+    """Each new token sees every cached position and the new tokens up to itself.
+
+    MLX's "causal" aligns the queries with the last keys, which is exactly that for any number
+    of cached positions, and lets the fused attention skip the masked half.
+    """
+    return None if length == 1 else "causal"
+
+
 class KVCache:
     def __init__(self):
         self.keys: mx.array | None = None
@@ -15,8 +24,7 @@ class KVCache:
         self.offset = 0
 
     def mask(self, length: int) -> str | None:
-        """Each new token sees every cached position and the new tokens up to itself (model.causal_mask)."""
-        return None if length == 1 else "causal"
+        return causal_mask(length)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""

@@ -11,7 +11,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import BatchKVCache, KVCache, SlotCache
+from .cache import BatchKVCache, KVCache, SlotCache, causal_mask
 from .config import ModelConfig
 
 
@@ -136,15 +136,6 @@ def _compiled_step(model: Transformer):
     the model would live until Python's cycle collector ran, keeping its weights in memory."""
     model_ref = weakref.ref(model)
     return mx.compile(lambda *args: model_ref()._step(*args))
-
-
-def causal_mask(length: int) -> str | None:
-    """Each new token sees every cached position and the new tokens up to itself.
-
-    MLX's "causal" aligns the queries with the last keys, which is exactly that for any number
-    of cached positions, and lets the fused attention skip the masked half.
-    """
-    return None if length == 1 else "causal"
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:

@@ -37,7 +37,7 @@ from .cache import KVCache
 from .errors import MlxLlamaError
 from .files import write_text_atomic
 from .generate import check_fits
-from .model import Transformer, causal_mask
+from .model import Transformer
 from .tokenizer import Tokenizer
 
 DUMP_FORMAT = "mlxllama-trace"
@@ -101,7 +101,7 @@ def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]
     that its logits are the model's.
     """
     h = model.token_embd(mx.array([list(ids)])).astype(model.compute_dtype)
-    mask = causal_mask(len(ids))
+    mask = cache[0].mask(len(ids))
     pieces = {"embd": h[0]}
     for i, block in enumerate(model.blk):
         attn = block.attention(block.attn_norm(h), mask, cache[i])
