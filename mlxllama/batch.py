@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, 
 import mlx.core as mx
 
 from .cache import make_batch_cache, make_cache
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, parse_json_object
 from .generate import GenerationResult, TextCollector, check_fits, prefill
 from .model import Transformer
 from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
@@ -199,12 +199,7 @@ class Job:
 
 
 def parse_entry(line: str) -> dict:
-    try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise MlxLlamaError(f"not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(entry, dict):
-        raise MlxLlamaError("expected a JSON object")
+    entry = parse_json_object(line)
     for key, (types, description) in LINE_FIELDS.items():
         value = entry.get(key)
         if key in entry and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import click
 
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, parse_json_object
 
 MODEL_ENV = "MLXLLAMA_MODEL"
 
@@ -99,15 +99,7 @@ def template_options(f):
 
 
 def parse_template_kwargs(raw: str | None) -> dict:
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise MlxLlamaError(f"--template-kwargs: not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(value, dict):
-        raise MlxLlamaError("--template-kwargs: expected a JSON object")
-    return value
+    return parse_json_object(raw, "--template-kwargs") if raw else {}
 
 
 def dequantize_option(f):

@@ -116,6 +116,10 @@ class TextCollector:
     Generation ends at a stop id or a stop string (`finish` becomes "stop"). Stop strings are
     matched across token boundaries: text that could still become a stop string is held back,
     and a matched stop string is never part of the text.
+
+    The text is kept as the pieces already returned plus the pending tail not returned yet (what
+    is held back, at most a stop string's length, and the newest piece), so each token costs work
+    in proportion to its piece, not to the whole reply; `text` joins them when read.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
@@ -123,10 +127,18 @@ class TextCollector:
         self.stop_strings = [s for s in stop_strings if s]
         self.longest_stop = max(map(len, self.stop_strings), default=0)
         self.detok = StreamingDetokenizer(tokenizer)
-        self.text = ""
-        self.emitted = 0
+        self._emitted: list[str] = []  # the text returned so far, in pieces
+        self._pending = ""  # the text after it: held back, or not returned yet
+        self.emitted = 0  # length of the text returned so far
         self.finish: str | None = None
         self.stop: str | None = None  # the stop string that ended generation, if any
+
+    @property
+    def text(self) -> str:
+        """The text so far (without a matched stop string)."""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return "".join(self._emitted) + self._pending
 
     def add(self, token_id: int) -> str:
         """Take the next generated id; return the text it made final (nothing once finished)."""
@@ -134,41 +146,49 @@ class TextCollector:
             self.finish = "stop"
             return ""
         piece = self.detok.add(token_id)
-        self.text += piece
+        self._pending += piece
         stop, cut = self._find_stop(len(piece))
         if stop is not None:
-            self.text, self.finish, self.stop = self.text[:cut], "stop", stop
+            self._pending, self.finish, self.stop = self._pending[:cut], "stop", stop
             return ""
-        return self._emit(len(self.text) - self._held_back())
+        return self._emit(len(self._pending) - self._held_back())
 
     def close(self) -> str:
         """The text not returned yet, once generation has ended."""
         if self.stop is None:
-            self.text += self.detok.flush()
-        return self._emit(len(self.text))
+            self._pending += self.detok.flush()
+        return self._emit(len(self._pending))
 
     def _emit(self, end: int) -> str:
-        if end <= self.emitted:
+        """Return the first `end` characters of the pending text, moving them to the returned text."""
+        if end <= 0:
             return ""
-        piece, self.emitted = self.text[self.emitted : end], end
+        piece, self._pending = self._pending[:end], self._pending[end:]
+        self._emitted.append(piece)
+        self.emitted += end
         return piece
 
     def _find_stop(self, new: int) -> tuple[str | None, int]:
-        # The text before the new piece held no stop string, so a match ends inside the piece:
-        # searching only from where such a match could start keeps long generations linear.
-        start = max(0, len(self.text) - new - self.longest_stop + 1)
-        hits = [(i, s) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
+        # The text before the new piece held no stop string, so a match ends inside the piece; and
+        # what was returned is no part of one (a match starting there would have been held back),
+        # so it lies in the pending text. Searching only from where such a match could start keeps
+        # long generations linear. The cut is an index into the pending text.
+        start = max(0, len(self._pending) - new - self.longest_stop + 1)
+        hits = [(i, s) for s in self.stop_strings if (i := self._pending.find(s, start)) >= 0]
         if not hits:
-            return None, len(self.text)
+            return None, len(self._pending)
         cut, s = min(hits)
         return s, cut
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        """Length of the longest tail of the text that is a proper prefix of a stop string.
+
+        Such a tail lies in the pending text: it is what was held back before, plus the new piece.
+        """
         longest = 0
         for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(s[:n]):
                     longest = n
                     break
         return longest

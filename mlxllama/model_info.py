@@ -29,6 +29,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         # Every tensor counts, as llama.cpp's llama_model_n_params counts them.
         "parameters": sum(math.prod(tensor_shape(t)) for t in tensors),
         "context_length": meta.get(f"{arch}.context_length"),
+        "rope_scaling": _rope_scaling_info(meta, arch),
         "layers": meta.get(f"{arch}.block_count"),
         "tokenizer": _tokenizer_info(meta),
         "chat_template": None if template is None else {"builtin": match_builtin(template), "chars": len(template)},
@@ -37,6 +38,15 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         "file_bytes": os.path.getsize(gguf.path),
         "tensor_bytes": sum(int(t.n_bytes) for t in tensors),
     }
+
+
+def _rope_scaling_info(meta: dict, arch: str | None) -> dict[str, Any] | None:
+    """The RoPE scaling keys the file has (`{arch}.rope.scaling.type`, `.original_context_length`), else None."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind is None and original is None:
+        return None
+    return {"type": kind, "original_context_length": original}
 
 
 def _tokenizer_info(meta: dict) -> dict[str, Any] | None:
@@ -73,8 +83,14 @@ def format_text(info: dict[str, Any]) -> str:
         ("architecture", f"{info['architecture']} ({'supported' if info['supported'] else 'not supported'})"),
         ("parameters", f"{_short(params)} ({params:,})"),
         ("context length", info["context_length"]),
-        ("layers", info["layers"]),
     ]
+    rope = info["rope_scaling"]
+    if rope is not None:
+        parts = [] if rope["type"] is None else [f"type {rope['type']}"]
+        if rope["original_context_length"] is not None:
+            parts.append(f"original context length {rope['original_context_length']}")
+        lines.append(("rope scaling", ", ".join(parts)))
+    lines.append(("layers", info["layers"]))
     tok = info["tokenizer"]
     if tok is None:
         lines.append(("tokenizer", "none"))

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from mlxllama.cli import main
@@ -120,6 +121,27 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     one_line_error(run("generate", "-p", "x", "--template-file", str(broken)), "line 3")
 
 
+@pytest.mark.parametrize("raw, reason", [
+    ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ('{"a": 1} x', "not valid JSON (Extra data at column 10)"),
+    ("[1, 2]", "expected a JSON object"),
+    ("null", "expected a JSON object"),
+])
+def test_template_kwargs_and_batch_lines_share_one_json_object_parser(raw, reason):
+    """--template-kwargs and a batch line go through errors.parse_json_object: same errors, each with its prefix."""
+    from mlxllama.batch import parse_entry
+    from mlxllama.cli import parse_template_kwargs
+    from mlxllama.errors import MlxLlamaError, parse_json_object
+
+    assert parse_json_object('{"a": [1]}') == {"a": [1]} == parse_template_kwargs('{"a": [1]}')
+    assert parse_template_kwargs("") == parse_template_kwargs(None) == {}
+    for parse, prefix in [(parse_json_object, ""), (lambda r: parse_json_object(r, "src"), "src: "),
+                          (parse_template_kwargs, "--template-kwargs: "), (parse_entry, "")]:
+        with pytest.raises(MlxLlamaError) as error:
+            parse(raw)
+        assert str(error.value) == prefix + reason
+
+
 def test_ctx_outside_the_trained_context_is_a_one_line_error():
     corpus = str(find_fixture_model("perplexity-corpus.txt"))
     commands = [["generate", "-p", "x"], ["chat"], ["batch", "-"], ["trace", "-p", "x"], ["bench", "-r", "1"],
@@ -140,3 +162,12 @@ def test_ctx_limits_the_prompt_and_the_generation():
                    "do not fit the model's context of 32")
     truncated = run("generate", *prompt, "--ctx", "5", "--truncate", "-n", "1")
     assert truncated.exit_code == 0 and "kept 4 of the context's 5" in truncated.stderr, truncated.output
+
+
+@pytest.mark.parametrize("raw", ['{"a": ' + "1" * 5000 + "}", "[" * 100000])
+def test_json_too_long_a_number_or_too_deep_is_a_one_line_error(raw):
+    from mlxllama.errors import MlxLlamaError, parse_json_object
+
+    with pytest.raises(MlxLlamaError, match=r"^--template-kwargs: not valid JSON \(") as e:
+        parse_json_object(raw, "--template-kwargs")
+    assert "\n" not in str(e.value)

@@ -1,12 +1,14 @@
 """The model, cache and generation loop on the bundled chat-tiny Q4_K_M."""
 
 import gc
+import tracemalloc
 import weakref
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import mlxllama
 from mlxllama.generate import TextCollector, generate_tokens, prefill
@@ -146,6 +148,47 @@ def test_stop_strings_spanning_token_boundaries(pieces, stop, text, matched):
         streamed += collector.add(token_id)
         if collector.finish:
             break
+    streamed += collector.close()
+    assert (streamed, collector.text, collector.stop) == (text, text, matched)
+
+
+def test_text_collector_does_not_copy_the_reply_per_token():
+    """A token costs work in proportion to its piece: adding one to a long reply allocates no copy of it."""
+    long_reply = "x" * 4_000_000
+    collector = TextCollector(PieceTokenizer([long_reply, "y", "S"]), ["STOP"])
+    assert collector.add(0) == long_reply
+    tracemalloc.start()
+    try:
+        pieces = [collector.add(1) for _ in range(10)] + [collector.add(2)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100_000, peak  # `text += piece` would allocate a 4 MB string each token
+    assert pieces == ["y"] * 10 + [""]  # "S" may begin "STOP": held back
+    assert collector.text == long_reply + "y" * 10 + "S" and collector.text == collector.text
+    assert collector.close() == "S" and collector.text == long_reply + "y" * 10 + "S"
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("abS", max_size=4), max_size=12), st.lists(st.text("abS", min_size=1, max_size=4), max_size=3))
+def test_text_collector_matches_its_specification(pieces, stop):
+    """After each token: the text so far cut at the first stop string that has appeared, less the longest
+    tail that could still begin one, has been returned; `text` is everything so far without the stop string."""
+    collector = TextCollector(PieceTokenizer(pieces), stop)
+    text, streamed, matched = "", "", None
+    for token_id, piece in enumerate(pieces):
+        text += piece
+        streamed += collector.add(token_id)
+        hits = sorted((text.find(s), s) for s in stop if s in text)
+        if hits:
+            (cut, matched), text = hits[0], text[: hits[0][0]]
+            assert (collector.finish, collector.stop, collector.text) == ("stop", matched, text)
+            break
+        assert streamed == text[: len(text) - _held_back(text, stop)] and collector.text == text
     streamed += collector.close()
     assert (streamed, collector.text, collector.stop) == (text, text, matched)
 

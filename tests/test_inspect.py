@@ -2,10 +2,12 @@
 
 import json
 
+import gguf
+import numpy as np
 from click.testing import CliRunner
 
 from mlxllama.cli import main
-from mlxllama.model_info import describe
+from mlxllama.model_info import describe, format_text
 
 from conftest import find_fixture_model
 
@@ -49,6 +51,39 @@ def test_cli_text_and_json():
     assert "pre-tokenizer llama-bpe" in text.output and "matches built-in 'llama3'" in text.output
     as_json = runner.invoke(main, ["inspect", path, "--json"])
     assert json.loads(as_json.output)["parameters"] == 1_951_776
+
+
+def test_rope_scaling_of_phi3_longrope_fixture():
+    path = str(find_fixture_model("phi3-longrope-tiny-Q8_0.gguf"))
+    info = describe(path)
+    assert (info["context_length"], info["rope_scaling"]) == (4096, {"type": None, "original_context_length": 256})
+    text = CliRunner().invoke(main, ["inspect", path])
+    assert text.exit_code == 0, text.output
+    assert "context length 4096\nrope scaling   original context length 256\nlayers         2\n" in text.output
+    as_json = CliRunner().invoke(main, ["inspect", path, "--json"])
+    assert json.loads(as_json.output)["rope_scaling"] == {"type": None, "original_context_length": 256}
+    # A file with neither key shows no rope scaling line.
+    llama3 = str(find_fixture_model("llama3-tiny-Q6_K.gguf"))
+    assert describe(llama3)["rope_scaling"] is None
+    assert "rope scaling" not in CliRunner().invoke(main, ["inspect", llama3]).output
+
+
+def test_rope_scaling_type(tmp_path):
+    path = tmp_path / "linear.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(8192)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_orig_ctx_len(2048)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    info = describe(path)
+    assert info["rope_scaling"] == {"type": "linear", "original_context_length": 2048}
+    assert "\nrope scaling   type linear, original context length 2048\n" in format_text(info)
+    info["rope_scaling"]["original_context_length"] = None
+    assert "\nrope scaling   type linear\n" in format_text(info)
 
 
 def test_cli_errors(tmp_path):
