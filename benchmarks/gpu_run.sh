@@ -17,8 +17,8 @@ python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 python3 -c "from mlxllama import synthetic; synthetic.write('$model')"
 
 log checks on the GPU: decoders, native mode, compiled step, parity with llama.cpp in float16
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_native_quant.py tests/test_llama_parity.py \
-    tests/test_generation.py -k "not tokenization" 2>&1 | grep -v "^E  \|^    \|^$" | tail -25
+timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_native_quant.py tests/test_llama_parity.py \
+    tests/test_generation.py tests/test_cuda_step.py -k "not tokenization" 2>&1 | grep -v "^E  \|^    \|^$" | tail -25
 
 tail -2 /tmp/gpu/build.log
 log done

@@ -44,7 +44,7 @@ class TestResult:
 @dataclass
 class BenchReport:
     model: str
-    mode: str  # native or dequantize
+    mode: str  # native, native+kernels (one sequence decodes through cuda_step.py) or dequantize
     device: str
     file_bytes: int
     tensor_bytes: int
@@ -116,7 +116,8 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     mx.reset_peak_memory()
     runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length)
     report = BenchReport(
-        model=os.path.basename(path), mode="dequantize" if dequantize else "native", device=device_name(),
+        model=os.path.basename(path), device=device_name(),
+        mode="dequantize" if dequantize else ("native+kernels" if runtime.model.kernel_step else "native"),
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
         load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,

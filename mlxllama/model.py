@@ -82,6 +82,8 @@ class Transformer(nn.Module):
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._compiled_step = None
+        # A faster step for one token of one sequence where the device has one (runtime.load sets it: cuda_step.py).
+        self.kernel_step = None
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """tokens [batch, length] -> logits [batch, length, vocab] (float32).
@@ -110,6 +112,11 @@ class Transformer(nn.Module):
             return self(tokens, cache)[:, -1]
         for layer in cache:
             layer.reserve(layer.offset + tokens.shape[1])
+        if self.kernel_step is not None and tokens.shape == (1, 1):
+            logits = self.kernel_step(tokens, cache)
+            for layer in cache:
+                layer.offset += 1
+            return logits
         if self._compiled_step is None:
             self._compiled_step = _compiled_step(self)
         buffers = [a for layer in cache for a in (layer.keys, layer.values)]

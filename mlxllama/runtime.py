@@ -9,7 +9,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import gguf_loader, quantized_model
+from . import cuda_step, gguf_loader, quantized_model
 from .cache import KVCache, make_cache
 from .config import ModelConfig
 from .fusion import fuse_projections
@@ -86,7 +86,8 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     Projections that read the same input are fused (fusion.py).
 
     Quantized matrices stay quantized (native mode, see quantized_model); `dequantize` expands
-    every weight to `dtype` instead, the simple mode to compare against.
+    every weight to `dtype` instead, the simple mode to compare against. On MLX's CUDA backend a
+    native model decodes one sequence through the kernels of cuda_step.py.
     """
     start = time.perf_counter()
     gguf = gguf_loader.open_gguf(path)
@@ -100,6 +101,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         fuse_projections(model)
     else:
         model = quantized_model.build(gguf, config, dtype)  # fuses block by block as it loads
+        model.kernel_step = cuda_step.build(model)
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 

@@ -1,0 +1,83 @@
+"""The device kernels of decode steps, as CUPTI records them (through PyTorch's profiler, which the GPU machine has).
+
+    python benchmarks/kernel_trace.py MODEL.gguf [--context 512] [--steps 20] [--json OUT]
+
+Prints kernels per step, the device's busy time per step (the sum of kernel durations) against
+the wall time per step, and the kernels that take the most time. Run it with
+MLXLLAMA_CUDA_KERNELS=0 to see the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+import time
+
+import torch  # imported first: its CUDA libraries and CUPTI
+from torch.profiler import ProfilerActivity, profile
+
+import mlx.core as mx
+
+import mlxllama
+from mlxllama.cache import make_cache
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+    runtime = mlxllama.load(args.model)
+    model = runtime.model
+    cache = make_cache(runtime.config.n_layers)
+    mx.eval(model(mx.array([[1] * args.context]), cache))
+    token = mx.array([[1]])
+
+    def decode(steps: int) -> None:
+        out = model.step(token, cache)
+        mx.async_eval(out)
+        for _ in range(steps - 1):
+            nxt = model.step(token, cache)
+            mx.async_eval(nxt)
+            mx.eval(out)
+            out = nxt
+        mx.eval(out)
+        for layer in cache:
+            layer.trim(steps)
+
+    decode(args.steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        decode(args.steps)
+        wall = (time.perf_counter() - start) / args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    busy = sum(e["dur"] for e in events) / args.steps
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / args.steps if events else 0
+    by_name = collections.Counter()
+    counts = collections.Counter()
+    for e in events:
+        by_name[e["name"][:90]] += e["dur"] / args.steps
+        counts[e["name"][:90]] += 1 / args.steps
+    result = {
+        "model": args.model, "kernel_step": model.kernel_step is not None, "context": args.context,
+        "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
+        "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
+        "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(15)],
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
