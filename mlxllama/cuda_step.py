@@ -14,6 +14,7 @@ residual (decode_step.cu). Prefill and batched decoding stay on the plain path.
 from __future__ import annotations
 
 import os
+import weakref
 from functools import cache
 from pathlib import Path
 
@@ -31,7 +32,8 @@ ATTENTION_WARPS = 4
 # The cache's slots are split among this many attention blocks a head at most (decode_step.cu's
 # MAX_SPLITS), runs of at least MIN_RUN slots each.
 MAX_SPLITS, MIN_RUN = 32, 128
-# Set to 0 to decode through the plain path on CUDA too (for comparisons).
+# Set to 0 to decode through the plain path on CUDA too, or to "uncompiled" to launch the kernels
+# without mx.compile (for comparisons).
 ENV_SWITCH = "MLXLLAMA_CUDA_KERNELS"
 
 
@@ -114,6 +116,7 @@ class KernelStep:
         self.inv_freq = _on_device(inv_freq)
         self.attn_factor = _on_device(mx.array([c.rope_attn_factor] * 4, mx.float32))
         self.positions = _on_device(mx.arange(c.context_length, dtype=mx.int32))
+        self._compiled = None
         for layer in self.layers:
             layer["attn_norm"], layer["ffn_norm"] = _on_device(layer["attn_norm"]), _on_device(layer["ffn_norm"])
         mx.eval(self.positions, [p.arrays() for layer in self.layers for p in layer.values() if isinstance(p, Projection)])
@@ -123,18 +126,25 @@ class KernelStep:
         if offset >= self.positions.size:
             self.positions = _on_device(mx.arange(2 * offset, dtype=mx.int32))
         position = self.positions[offset : offset + 1]  # a view: no host data for the kernels to read
+        buffers = [a for layer in cache for a in (layer.keys, layer.values)]
+        if self._compiled is None:
+            self._compiled = _compiled_forward(self) if os.environ.get(ENV_SWITCH) != "uncompiled" else self._forward
+        return self._compiled(tokens, position, *buffers)
+
+    def _forward(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> mx.array:
         x = self.embed(tokens).astype(self.compute_dtype).reshape(-1)
         # Activations in the cache's type: the plain step's, whose float32 norm weights promote
         # what follows a norm to float32.
-        act = cache[0].keys.dtype
-        for layer, layer_cache in zip(self.layers, cache):
-            q = self._qkv(x, layer, position, layer_cache, act)
-            partials = self._attention(q, layer_cache, position)
+        act = buffers[0].dtype
+        for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
+            q = self._qkv(x, layer, position, keys, values, act)
+            partials = self._attention(q, keys, values, position)
             h = self._attention_output(layer["o"], partials, residual=x)
             x = self._matvec(layer["down"], self._gate_up(h, layer, act), act, residual=h)
         return self._matvec(self.head, x, mx.float32, norm=self.output_norm).reshape(1, -1)
 
-    def _qkv(self, x: mx.array, layer: dict, position: mx.array, cache: KVCache, act: mx.Dtype) -> mx.array:
+    def _qkv(self, x: mx.array, layer: dict, position: mx.array, keys: mx.array, values: mx.array,
+             act: mx.Dtype) -> mx.array:
         """q; the new key and value go into the cache's buffers in place.
 
         In place, because the alternative, mx.slice_update, copied the whole buffer every step
@@ -162,19 +172,19 @@ class KernelStep:
             _staged_floats(q.cols))
         warps = (q.rows + 2 * k.rows) // 2 // pairs_per_warp
         return kernel(inputs=[x, layer["attn_norm"], self.eps, *q.arrays(), *k.arrays(), *v.arrays(), *biases,
-                              position, self.inv_freq, self.attn_factor, cache.keys, cache.values],
+                              position, self.inv_freq, self.attn_factor, keys, values],
                       template=template, grid=(32 * _round_up(warps, WARPS), 1, 1), threadgroup=(32 * WARPS, 1, 1),
                       output_shapes=[(q.rows,)], output_dtypes=[act])[0]
 
-    def _attention(self, q: mx.array, cache: KVCache, position: mx.array) -> mx.array:
+    def _attention(self, q: mx.array, keys: mx.array, values: mx.array, position: mx.array) -> mx.array:
         """Per head and run of slots: the weighted values, the max score and the sum of exponentials."""
         c = self.config
-        capacity = cache.keys.shape[2]
+        capacity = keys.shape[2]
         splits = max(1, min(MAX_SPLITS, capacity // MIN_RUN))
         kernel = _kernel("attention", ("q", "keys", "values", "position"), ("partials",),
                          "attention_kernel<HEADS, KV_HEADS, HEAD_DIM, WARPS>(q, keys, values, keys_shape[2],"
                          " position, partials);", 0)
-        return kernel(inputs=[q, cache.keys, cache.values, position],
+        return kernel(inputs=[q, keys, values, position],
                       template=[("HEADS", c.n_heads), ("KV_HEADS", c.n_kv_heads), ("HEAD_DIM", c.head_dim),
                                 ("WARPS", ATTENTION_WARPS)],
                       grid=(32 * ATTENTION_WARPS * c.n_heads, splits, 1), threadgroup=(32 * ATTENTION_WARPS, 1, 1),
@@ -221,6 +231,13 @@ class KernelStep:
                               residual if residual is not None else x],
                       template=template, grid=(32 * _round_up(-(-p.rows // rows_per_warp), WARPS), 1, 1),
                       threadgroup=(32 * WARPS, 1, 1), output_shapes=[(p.rows,)], output_dtypes=[out_dtype])[0]
+
+
+def _compiled_forward(step: KernelStep):
+    """mx.compile of step._forward, which then costs one call from Python instead of ~130 launches'
+    worth of graph building; it holds the step weakly, as model._compiled_step holds its model."""
+    step_ref = weakref.ref(step)
+    return mx.compile(lambda *args: step_ref()._forward(*args))
 
 
 def _on_device(a: mx.array) -> mx.array:
