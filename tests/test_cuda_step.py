@@ -7,16 +7,19 @@ test_generation.py go through the kernels too when they run on CUDA.
 
 from __future__ import annotations
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlxllama
+from mlxllama import cuda_step
 from mlxllama.cache import make_cache
+from mlxllama.quants import to_affine
 
 from conftest import find_fixture_model
 
-pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
+on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
 
 MODELS = ["chat-tiny-Q4_K_M.gguf", "chat-tiny-Q4_0.gguf", "chat-tiny-Q5_K_M.gguf", "chat-tiny-Q6_K.gguf",
           "chat-tiny-Q8_0.gguf", "chat-tiny-Q2_K.gguf", "chat-tiny-Q3_K_M.gguf", "mistral-tiny-Q4_K_M.gguf",
@@ -35,6 +38,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+@on_cuda
 @pytest.mark.parametrize("name", MODELS)
 def test_kernel_step_matches_the_plain_step(name):
     runtime = mlxllama.load(find_fixture_model(name))
@@ -66,7 +70,51 @@ def test_kernel_step_matches_the_plain_step(name):
             np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
 
 
+@on_cuda
 def test_kernel_step_is_off_for_dequantized_models():
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
     assert runtime.model.kernel_step is None
 
+
+
+def test_kernel_step_is_off_without_cuda():
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    assert (runtime.model.kernel_step is not None) == (mx.cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def test_projections_of_fused_layers_are_the_files_tensors():
+    """The kernels read Q, K, V (and gate, up) as row ranges of the fused layers: each range must be
+    exactly the file's tensor, so the kernels are built here (no kernel runs) and compared."""
+    path = find_fixture_model("chat-tiny-Q4_K_M.gguf")
+    runtime = mlxllama.load(path)
+    step = cuda_step.KernelStep(runtime.model)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    fused_blocks = [i for i, block in enumerate(runtime.model.blk) if "attn_qkv" in block]
+    assert fused_blocks and "ffn_gate_up" in runtime.model.blk[0]
+    for i in fused_blocks[:2]:
+        for part, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("gate", "ffn_gate"), ("up", "ffn_up")):
+            tensor = tensors[f"blk.{i}.{name}.weight"]
+            want = to_affine(tensor.data, tensor.tensor_type, tuple(int(n) for n in reversed(tensor.shape)))
+            got = step.layers[i][part]
+            assert got.bits == want.bits and got.stored_biases == (want.biases is not None)
+            assert got.cols == int(tensor.shape[0]) and got.rows == int(tensor.shape[1])
+            for a, b in ((got.weight, want.weight), (got.scales, want.scales)):
+                np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=f"blk.{i}.{name}")
+
+
+def test_rope_inverse_frequencies_match_mlx_rope():
+    """inv_freq[i] * position is the angle MLX's RoPE (model.py's path) turns pair i by."""
+    runtime = mlxllama.load(find_fixture_model("phi3-longrope-tiny-Q8_0.gguf"), context_length=256)
+    c = runtime.config
+    step = cuda_step.KernelStep(runtime.model)
+    position, half = 37, c.rope_dim // 2
+    # Row i is 1 at dim i: NeoX pair (i, i + rope_dim / 2) turns it to (cos, sin) of pair i's angle.
+    x = mx.eye(c.rope_dim)[:half].reshape(1, half, 1, c.rope_dim)
+    freqs = runtime.model.blk[0]._rope_freqs
+    rotated = np.array(mx.fast.rope(x, c.rope_dim, traditional=False, base=None if freqs is not None else c.rope_base,
+                                    scale=c.rope_scale, offset=position, freqs=freqs))[0, :, 0]
+    angles = np.arctan2(rotated[np.arange(half), np.arange(half) + half], rotated[np.arange(half), np.arange(half)])
+    want = np.angle(np.exp(1j * position * np.array(step.inv_freq, np.float64)))
+    assert c.rope_freq_factors is not None and len(set(c.rope_freq_factors)) > 1
+    np.testing.assert_allclose(angles, want, atol=1e-4)
