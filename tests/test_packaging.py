@@ -1,4 +1,4 @@
-"""A plain `pip install .` must carry the demo model and the built-in templates."""
+"""A plain `pip install .` must carry the demo model, the built-in templates and the CUDA kernels' source."""
 
 import subprocess
 import sys
@@ -19,3 +19,4 @@ def test_wheel_contains_demo_model_and_templates(tmp_path):
     for template in ("zephyr", "llama2", "llama3", "chatml", "mistral", "gemma", "phi3"):
         assert f"mlxllama/templates/{template}.jinja" in names
     assert "mlxllama/cli.py" in names
+    assert "mlxllama/decode_step.cu" in names  # read by cuda_step.py at import
