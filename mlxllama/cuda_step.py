@@ -81,7 +81,8 @@ def build(model: Transformer) -> KernelStep | None:
     head = model.token_embd if c.tied_output else model.output
     if not all(isinstance(layer, NativeLinear) for layer in layers + [head]):
         return None
-    if c.head_dim % 32 or c.rope_dim % 2 or c.n_heads % c.n_kv_heads or model.compute_dtype == mx.float32:
+    # Each lane of the attention kernel holds head_dim / 32 dims; float32 compute is untested on CUDA.
+    if c.head_dim % 32 or model.compute_dtype == mx.float32:
         return None
     return KernelStep(model)
 
@@ -102,8 +103,9 @@ class KernelStep:
         for block in model.blk:
             q, k, v = _projections(block, "attn_qkv", ("attn_q", "attn_k", "attn_v"), [q_dim, kv_dim, kv_dim])
             gate, up = _projections(block, "ffn_gate_up", ("ffn_gate", "ffn_up"), [c.ffn_size, c.ffn_size])
-            self.layers.append(dict(attn_norm=block.attn_norm.weight, q=q, k=k, v=v, o=Projection(block.attn_output),
-                                    ffn_norm=block.ffn_norm.weight, gate=gate, up=up, down=Projection(block.ffn_down)))
+            self.layers.append(dict(attn_norm=_on_device(block.attn_norm.weight), q=q, k=k, v=v,
+                                    o=Projection(block.attn_output), ffn_norm=_on_device(block.ffn_norm.weight),
+                                    gate=gate, up=up, down=Projection(block.ffn_down)))
         self.output_norm = _on_device(model.output_norm.weight)
         self.head = Projection(model.token_embd if c.tied_output else model.output)
         self.eps = _on_device(mx.array([c.rms_eps] * 4, mx.float32))
@@ -116,10 +118,8 @@ class KernelStep:
         self.inv_freq = _on_device(inv_freq)
         self.attn_factor = _on_device(mx.array([c.rope_attn_factor] * 4, mx.float32))
         self.positions = _on_device(mx.arange(c.context_length, dtype=mx.int32))
-        self._compiled = None
-        for layer in self.layers:
-            layer["attn_norm"], layer["ffn_norm"] = _on_device(layer["attn_norm"]), _on_device(layer["ffn_norm"])
-        mx.eval(self.positions, [p.arrays() for layer in self.layers for p in layer.values() if isinstance(p, Projection)])
+        mx.eval([p.arrays() for layer in self.layers for p in layer.values() if isinstance(p, Projection)])
+        self._compiled = None if os.environ.get(ENV_SWITCH) == "uncompiled" else _compiled_forward(self)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache]) -> mx.array:
         offset = cache[0].offset
@@ -127,9 +127,7 @@ class KernelStep:
             self.positions = _on_device(mx.arange(2 * offset, dtype=mx.int32))
         position = self.positions[offset : offset + 1]  # a view: no host data for the kernels to read
         buffers = [a for layer in cache for a in (layer.keys, layer.values)]
-        if self._compiled is None:
-            self._compiled = _compiled_forward(self) if os.environ.get(ENV_SWITCH) != "uncompiled" else self._forward
-        return self._compiled(tokens, position, *buffers)
+        return (self._compiled or self._forward)(tokens, position, *buffers)
 
     def _forward(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> mx.array:
         x = self.embed(tokens).astype(self.compute_dtype).reshape(-1)

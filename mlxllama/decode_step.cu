@@ -246,18 +246,26 @@ __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, co
   }
 }
 
+// The first of this warp's R consecutive output rows, and in `rows` the rows it reads: past the
+// last row, the last row again (read, never written).
+template <int R>
+__device__ inline int warp_rows(int total_rows, int* rows) {
+  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    rows[r] = min(first + r, total_rows - 1);
+  }
+  return first;
+}
+
 // After staging: each warp's R consecutive rows of W times the input (+ residual) into y.
 template <int BITS, bool STORED_BIASES, int K, int R, bool RESIDUAL, typename S, typename Res, typename O>
 __device__ void project(const uint32_t* w, const S* scales, const S* biases, const Res* residual, int total_rows,
                         const float* smem, O* y) {
-  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
+  int rows[R];
+  const int first = warp_rows<R>(total_rows, rows);
   if (first >= total_rows) {
     return;
-  }
-  int rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    rows[r] = min(first + r, total_rows - 1);  // past the end: a valid row, not written
   }
   float out[R];
   rows_dot<BITS, STORED_BIASES, K, R>(w, scales, biases, rows, smem, out);
@@ -298,14 +306,10 @@ __device__ void gate_up_kernel(const T* x, const N* norm_w, const float* eps, co
                                const S* b_up, int total_rows, O* y) {
   float* smem = shared_floats();
   stage_input<true, K>(x, norm_w, eps[0], smem);
-  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
+  int rows[R];
+  const int first = warp_rows<R>(total_rows, rows);
   if (first >= total_rows) {
     return;
-  }
-  int rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    rows[r] = min(first + r, total_rows - 1);
   }
   float gate[R], up[R];
   rows_dot<GATE_BITS, GATE_BIASES, K, R>(w_gate, s_gate, b_gate, rows, smem, gate);
