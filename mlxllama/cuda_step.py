@@ -22,7 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCache
-from .model import Transformer
+from .fusion import FUSED
+from .model import Transformer, rope_periods
 from .quantized_model import NativeLinear
 
 _HEADER = "\n".join(line for line in Path(__file__).with_name("decode_step.cu").read_text().splitlines()
@@ -66,11 +67,12 @@ class Projection:
         return [self.weight, self.scales, self.biases]
 
 
-def _projections(block: nn.Module, fused: str, parts: tuple[str, ...], sizes: list[int]) -> list[Projection]:
+def _projections(block: nn.Module, fused: str, sizes: list[int]) -> list[Projection]:
+    """The projections fusion.py stacks as `fused`, in order, whether the block has them stacked or not."""
     if fused in block:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [Projection(block[fused], slice(s, s + n)) for s, n in zip(starts, sizes)]
-    return [Projection(block[p]) for p in parts]
+    return [Projection(block[p]) for p in FUSED[fused]]
 
 
 def build(model: Transformer) -> KernelStep | None:
@@ -101,21 +103,16 @@ class KernelStep:
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self.layers = []
         for block in model.blk:
-            q, k, v = _projections(block, "attn_qkv", ("attn_q", "attn_k", "attn_v"), [q_dim, kv_dim, kv_dim])
-            gate, up = _projections(block, "ffn_gate_up", ("ffn_gate", "ffn_up"), [c.ffn_size, c.ffn_size])
+            q, k, v = _projections(block, "attn_qkv", [q_dim, kv_dim, kv_dim])
+            gate, up = _projections(block, "ffn_gate_up", [c.ffn_size, c.ffn_size])
             self.layers.append(dict(attn_norm=_on_device(block.attn_norm.weight), q=q, k=k, v=v,
                                     o=Projection(block.attn_output), ffn_norm=_on_device(block.ffn_norm.weight),
                                     gate=gate, up=up, down=Projection(block.ffn_down)))
         self.output_norm = _on_device(model.output_norm.weight)
         self.head = Projection(model.token_embd if c.tied_output else model.output)
         self.eps = _on_device(mx.array([c.rms_eps] * 4, mx.float32))
-        # RoPE's angle for pair i at position p is p * inv_freq[i]: MLX's base ** (-2i / rope_dim)
-        # times the position scale, over llama.cpp's per-pair factors where the file has them.
-        pairs = mx.arange(0, c.rope_dim, 2, dtype=mx.float32) / c.rope_dim
-        inv_freq = c.rope_scale / c.rope_base**pairs
-        if c.rope_freq_factors is not None:
-            inv_freq = inv_freq / mx.array(c.rope_freq_factors, dtype=mx.float32)
-        self.inv_freq = _on_device(inv_freq)
+        # RoPE's angle for pair i at position p is p * inv_freq[i], as MLX's RoPE turns it.
+        self.inv_freq = _on_device(c.rope_scale / rope_periods(c))
         self.attn_factor = _on_device(mx.array([c.rope_attn_factor] * 4, mx.float32))
         self.positions = _on_device(mx.arange(c.context_length, dtype=mx.int32))
         mx.eval([p.arrays() for layer in self.layers for p in layer.values() if isinstance(p, Projection)])

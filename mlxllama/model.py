@@ -106,7 +106,8 @@ class Transformer(nn.Module):
         The same as `self(tokens, cache)[:, -1]`, but compiled: the step reads and writes the
         cache's whole fixed-size buffers (cache.SlotCache), so its shapes stay the same from token
         to token and one traced graph, with its element-wise operations fused, serves every step
-        until the buffers grow (every cache.GROWTH_STEP positions).
+        until the buffers grow (every cache.GROWTH_STEP positions). One token of one sequence goes
+        through `kernel_step` instead where runtime.load set one (cuda_step.py).
         """
         if cache[0].keys is None:
             return self(tokens, cache)[:, -1]
@@ -146,12 +147,19 @@ def _compiled_step(model: Transformer):
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:
-    """MLX's `freqs` for RoPE with per-pair factors: llama.cpp divides pair i's angle by factor i,
-    MLX divides by freqs[i], normally base ** (2i / rope_dim), so the two multiply."""
-    if config.rope_freq_factors is None:
-        return None
+    """MLX's `freqs` for RoPE with per-pair factors (rope_periods); None for plain RoPE, which MLX
+    computes from the base itself."""
+    return None if config.rope_freq_factors is None else rope_periods(config)
+
+
+def rope_periods(config: ModelConfig) -> mx.array:
+    """Pair i turns by position / periods[i] (before the position scale): base ** (2i / rope_dim),
+    times llama.cpp's per-pair factor i where the file has them (llama.cpp divides the angle by it)."""
     exponents = mx.arange(0, config.rope_dim, 2, dtype=mx.float32) / config.rope_dim
-    return config.rope_base**exponents * mx.array(config.rope_freq_factors, dtype=mx.float32)
+    periods = config.rope_base**exponents
+    if config.rope_freq_factors is not None:
+        periods = periods * mx.array(config.rope_freq_factors, dtype=mx.float32)
+    return periods
 
 
 def rope_attn_scale(config: ModelConfig) -> mx.array | None:
