@@ -127,15 +127,13 @@ class KernelStep:
         return (self._compiled or self._forward)(tokens, position, *buffers)
 
     def _forward(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> mx.array:
-        x = self.embed(tokens).astype(self.compute_dtype).reshape(-1)
-        # Activations in the cache's type: the plain step's, whose float32 norm weights promote
-        # what follows a norm to float32.
-        act = buffers[0].dtype
+        # As in the plain step (model.py): a float32 residual stream, sublayers' values in the compute type.
+        x = self.embed(tokens).astype(mx.float32).reshape(-1)
         for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
-            q = self._qkv(x, layer, position, keys, values, act)
+            q = self._qkv(x, layer, position, keys, values, self.compute_dtype)
             partials = self._attention(q, keys, values, position)
             h = self._attention_output(layer["o"], partials, residual=x)
-            x = self._matvec(layer["down"], self._gate_up(h, layer, act), act, residual=h)
+            x = self._matvec(layer["down"], self._gate_up(h, layer, self.compute_dtype), h.dtype, residual=h)
         return self._matvec(self.head, x, mx.float32, norm=self.output_norm).reshape(1, -1)
 
     def _qkv(self, x: mx.array, layer: dict, position: mx.array, keys: mx.array, values: mx.array,

@@ -15,17 +15,33 @@ from .cache import BatchKVCache, KVCache, SlotCache, causal_mask
 from .config import ModelConfig
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm whose output is in the compute type.
+
+    Its float32 weight would otherwise promote what follows to float32: on a GPU every product
+    would run as float32 instead of float16 on tensor cores (pp512 on an H100: docs/benchmarks.md).
+    The residual stream it reads stays float32, as llama.cpp keeps it.
+    """
+
+    def __init__(self, dims: int, eps: float, compute_dtype: mx.Dtype):
+        super().__init__(dims, eps=eps)
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x).astype(self.compute_dtype)
+
+
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype):
         super().__init__()
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
-        self.attn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
+        self.attn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
         self.attn_q = nn.Linear(hidden, config.n_heads * head_dim, bias=config.attn_bias)
         self.attn_k = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=config.attn_bias)
         self.attn_v = nn.Linear(hidden, config.n_kv_heads * head_dim, bias=config.attn_bias)
         self.attn_output = nn.Linear(config.n_heads * head_dim, hidden, bias=False)
-        self.ffn_norm = nn.RMSNorm(hidden, eps=config.rms_eps)
+        self.ffn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
         self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
         self.ffn_up = nn.Linear(hidden, config.ffn_size, bias=False)
         self.ffn_down = nn.Linear(config.ffn_size, hidden, bias=False)
@@ -77,8 +93,8 @@ class Transformer(nn.Module):
         self.config = config
         self.compute_dtype = compute_dtype
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blk = [Block(config) for _ in range(config.n_layers)]
-        self.output_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_eps)
+        self.blk = [Block(config, compute_dtype) for _ in range(config.n_layers)]
+        self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._compiled_step = None
@@ -94,7 +110,7 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
-        h = self.token_embd(tokens).astype(self.compute_dtype)
+        h = self.token_embd(tokens).astype(mx.float32)
         mask = cache[0].mask(tokens.shape[1]) if cache else causal_mask(tokens.shape[1])
         for i, block in enumerate(self.blk):
             h = block(h, mask, cache[i] if cache else None)

@@ -100,7 +100,7 @@ def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]
     It repeats Block.__call__'s two residual additions to see what each adds; the tests check
     that its logits are the model's.
     """
-    h = model.token_embd(mx.array([list(ids)])).astype(model.compute_dtype)
+    h = model.token_embd(mx.array([list(ids)])).astype(mx.float32)
     mask = cache[0].mask(len(ids))
     pieces = {"embd": h[0]}
     for i, block in enumerate(model.blk):

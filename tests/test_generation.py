@@ -246,7 +246,13 @@ def test_repeat_penalty_sees_every_generated_token():
     for _ in range(16):
         logits = mx.array(m.logits(ids + expected)[-1])
         window = (ids + expected)[-8:]
-        expected.append(int(mx.argmax(apply_repeat_penalty(logits, window, 1.3, 8)).item()))
+        penalized = np.array(apply_repeat_penalty(logits, window, 1.3, 8))
+        expected.append(int(penalized.argmax()))
+        streamed_id = streamed.token_ids[len(expected) - 1]
+        if streamed_id != expected[-1]:
+            # Only a near-tie may go either way between the two evaluation orders (float16 on a GPU).
+            assert penalized[expected[-1]] - penalized[streamed_id] <= logit_tolerance()
+            return
     assert streamed.token_ids == expected
 
 
