@@ -1,11 +1,13 @@
-"""One sequence's decode step as five CUDA kernels a layer, for native-mode models on MLX's CUDA backend.
+"""One sequence's decode step as one CUDA kernel a layer, for native-mode models on MLX's CUDA backend.
 
-Why: MLX's CUDA backend spends 5-7 µs of host time on every operation however small
+Why: MLX's CUDA backend spends 5-10 µs of host time on every operation however small
 (benchmarks/op_cost.py), and the plain step (model.Transformer.step) is about 17 operations a
 layer, so one token costs far more than reading the weights does (docs/benchmarks.md). Here a
-layer is: RMSNorm + Q/K/V + RoPE + the cache's new slot; attention in runs of slots; their
-combination + output projection + residual; RMSNorm + gate/up + SiLU; down projection +
-residual (decode_step.cu). Prefill and batched decoding stay on the plain path.
+layer is one launch (decode_step.cu's layer_kernel), one block on every SM, in five steps with
+grid-wide barriers between them: RMSNorm + Q/K/V + RoPE + the cache's new slot; attention in runs
+of slots, combined; output projection + residual; RMSNorm + gate/up; SiLU + down projection +
+residual. Five launches a layer measured 1.4-1.7 times slower (docs/benchmarks.md). Prefill and
+batched decoding stay on the plain path.
 
 `build(model)` returns a `KernelStep` for a model whose every projection keeps an affine weight
 (quantized_model.NativeLinear) and whose shapes the kernels take, else None.
@@ -13,6 +15,7 @@ residual (decode_step.cu). Prefill and batched decoding stay on the plain path.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from functools import cache
@@ -28,11 +31,9 @@ from .quantized_model import NativeLinear
 
 _HEADER = "\n".join(line for line in Path(__file__).with_name("decode_step.cu").read_text().splitlines()
                     if line.strip() and not line.lstrip().startswith("//"))  # MLX hashes the source at every launch
-WARPS = 8  # warps a block, every kernel but attention's: decode_step.cu's THREADS / 32
-ATTENTION_WARPS = 4
-# The cache's slots are split among this many attention blocks a head at most (decode_step.cu's
-# MAX_SPLITS), runs of at least MIN_RUN slots each.
-MAX_SPLITS, MIN_RUN = 32, 128
+HEAD_WARPS = 8  # warps a block of head_kernel: decode_step.cu's THREADS / 32
+LAYER_THREADS = 512  # decode_step.cu's LAYER_THREADS
+FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
 # Set to 0 to decode through the plain path on CUDA too, or to "uncompiled" to launch the kernels
 # without mx.compile (for comparisons).
 ENV_SWITCH = "MLXLLAMA_CUDA_KERNELS"
@@ -86,7 +87,8 @@ def build(model: Transformer) -> KernelStep | None:
     # Each lane of the attention kernel holds head_dim / 32 dims; float32 compute is untested on CUDA.
     if c.head_dim % 32 or model.compute_dtype == mx.float32:
         return None
-    return KernelStep(model)
+    blocks = _multiprocessors()
+    return KernelStep(model, blocks) if blocks else None
 
 
 class KernelStep:
@@ -96,8 +98,13 @@ class KernelStep:
     caller advances the offset (model.Transformer.step).
     """
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, blocks: int):
         c = self.config = model.config
+        # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head's attention
+        # may be split into this many runs of slots.
+        self.blocks = blocks
+        self.max_runs = blocks * (LAYER_THREADS // 32) // c.n_heads
+        self.sync = _on_device(mx.zeros((32 + c.n_heads,), mx.uint32))
         # Not the model itself, which holds this step: a cycle would keep both alive until the cycle collector ran.
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -130,107 +137,82 @@ class KernelStep:
         # As in the plain step (model.py): a float32 residual stream, sublayers' values in the compute type.
         x = self.embed(tokens).astype(mx.float32).reshape(-1)
         for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
-            q = self._qkv(x, layer, position, keys, values, self.compute_dtype)
-            partials = self._attention(q, keys, values, position)
-            h = self._attention_output(layer["o"], partials, residual=x)
-            x = self._matvec(layer["down"], self._gate_up(h, layer, self.compute_dtype), h.dtype, residual=h)
-        return self._matvec(self.head, x, mx.float32, norm=self.output_norm).reshape(1, -1)
+            x = self._layer(x, layer, position, keys, values)
+        return self._head(x).reshape(1, -1)
 
-    def _qkv(self, x: mx.array, layer: dict, position: mx.array, keys: mx.array, values: mx.array,
-             act: mx.Dtype) -> mx.array:
-        """q; the new key and value go into the cache's buffers in place.
+    def _layer(self, x: mx.array, layer: dict, position: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """The layer's output for input x (float32); the new key and value go into the cache's buffers in place.
 
-        In place, because the alternative, mx.slice_update, copied the whole buffer every step
-        (MLX cannot reuse a buffer that the cache still holds). It is safe because nothing reads a
-        slot before this step writes it: this step's attention reads the cache only after this
-        kernel (it takes q, this kernel's output), and earlier steps read only earlier slots.
+        In place, because the alternative, mx.slice_update, copied the whole buffer every step (MLX
+        cannot reuse a buffer that the cache still holds). It is safe because nothing reads a slot
+        before this step writes it: the kernel's attention reads the cache only after a grid-wide
+        barrier that follows the write, and earlier steps read only earlier slots.
+        The layers' launches share `self.sync` (the barrier's count) and never overlap: each takes
+        the previous one's output.
         """
         c = self.config
-        q, k, v = layer["q"], layer["k"], layer["v"]
+        q, k, v, o, gate, up, down = (layer[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
         biases = [p.bias for p in (q, k, v)] if q.bias is not None else [self.eps] * 3
-        pairs_per_warp = 1
         template = [("Q_BITS", q.bits), ("Q_BIASES", q.stored_biases), ("K_BITS", k.bits),
                     ("K_BIASES", k.stored_biases), ("V_BITS", v.bits), ("V_BIASES", v.stored_biases),
                     ("BIAS", q.bias is not None), ("HEADS", c.n_heads), ("KV_HEADS", c.n_kv_heads),
                     ("HEAD_DIM", c.head_dim), ("ROPE_DIM", c.rope_dim), ("TRADITIONAL", c.rope_traditional),
-                    ("K", q.cols), ("PAIRS", pairs_per_warp)]
-        kernel = _kernel(
-            "qkv_rope",
-            ("x", "norm_w", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v", "s_v", "b_v",
-             "bias_q", "bias_k", "bias_v", "position", "inv_freq", "attn_factor", "keys", "values"),
-            ("q",),
-            "qkv_rope_kernel<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM,"
-            " ROPE_DIM, TRADITIONAL, K, PAIRS>(x, norm_w, eps, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q,"
-            " bias_k, bias_v, position, inv_freq, attn_factor, keys, values, keys_shape[2], q);",
-            _staged_floats(q.cols))
-        warps = (q.rows + 2 * k.rows) // 2 // pairs_per_warp
+                    ("HIDDEN", q.cols), ("O_BITS", o.bits), ("O_BIASES", o.stored_biases), ("GATE_BITS", gate.bits),
+                    ("GATE_BIASES", gate.stored_biases), ("UP_BITS", up.bits), ("UP_BIASES", up.stored_biases),
+                    ("DOWN_BITS", down.bits), ("DOWN_BIASES", down.stored_biases), ("FFN", gate.rows),
+                    ("FFN_ROWS", FFN_ROWS), ("MAX_RUNS", self.max_runs)]
+        inputs = ["x", "attn_norm", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v", "s_v", "b_v", "bias_q",
+                  "bias_k", "bias_v", "position", "inv_freq", "attn_factor", "keys", "values", "w_o", "s_o", "b_o",
+                  "ffn_norm", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "w_down", "s_down", "b_down",
+                  "sync"]
+        outputs = ["y", "q", "partials", "attn", "h", "gate", "up"]
+        arguments = inputs[:20] + ["keys_shape[2]"] + inputs[20:] + outputs
+        call = f"layer_kernel<{', '.join(n for n, _ in template)}>({', '.join(arguments)});"
+        shared = max(_staged_floats(q.cols), _staged_floats(gate.rows), _staged_floats(o.cols),
+                     LAYER_THREADS // 32 * c.head_dim)
+        kernel = _kernel("layer", tuple(inputs), tuple(outputs), call, shared)
         return kernel(inputs=[x, layer["attn_norm"], self.eps, *q.arrays(), *k.arrays(), *v.arrays(), *biases,
-                              position, self.inv_freq, self.attn_factor, keys, values],
-                      template=template, grid=(32 * _round_up(warps, WARPS), 1, 1), threadgroup=(32 * WARPS, 1, 1),
-                      output_shapes=[(q.rows,)], output_dtypes=[act])[0]
+                              position, self.inv_freq, self.attn_factor, keys, values, *o.arrays(),
+                              layer["ffn_norm"], *gate.arrays(), *up.arrays(), *down.arrays(), self.sync],
+                      template=template, grid=(LAYER_THREADS * self.blocks, 1, 1), threadgroup=(LAYER_THREADS, 1, 1),
+                      output_shapes=[(o.rows,), (q.rows,), (c.n_heads, self.max_runs, c.head_dim + 2), (q.rows,),
+                                     (o.rows,), (gate.rows,), (gate.rows,)],
+                      output_dtypes=[mx.float32, self.compute_dtype] + [mx.float32] * 5)[0]
 
-    def _attention(self, q: mx.array, keys: mx.array, values: mx.array, position: mx.array) -> mx.array:
-        """Per head and run of slots: the weighted values, the max score and the sum of exponentials."""
-        c = self.config
-        capacity = keys.shape[2]
-        splits = max(1, min(MAX_SPLITS, capacity // MIN_RUN))
-        kernel = _kernel("attention", ("q", "keys", "values", "position"), ("partials",),
-                         "attention_kernel<HEADS, KV_HEADS, HEAD_DIM, WARPS>(q, keys, values, keys_shape[2],"
-                         " position, partials);", 0)
-        return kernel(inputs=[q, keys, values, position],
-                      template=[("HEADS", c.n_heads), ("KV_HEADS", c.n_kv_heads), ("HEAD_DIM", c.head_dim),
-                                ("WARPS", ATTENTION_WARPS)],
-                      grid=(32 * ATTENTION_WARPS * c.n_heads, splits, 1), threadgroup=(32 * ATTENTION_WARPS, 1, 1),
-                      output_shapes=[(c.n_heads, splits, c.head_dim + 2)], output_dtypes=[mx.float32])[0]
-
-    def _attention_output(self, p: Projection, partials: mx.array, residual: mx.array) -> mx.array:
-        rows_per_warp = 1
-        kernel = _kernel(
-            "attention_output", ("partials", "w", "scales", "biases", "residual"), ("y",),
-            "attention_output_kernel<BITS, STORED_BIASES, K, R, HEAD_DIM>(partials, partials_shape[1], w, scales,"
-            " biases, residual, ROWS, y);",
-            _staged_floats(p.cols) + self.config.n_heads * MAX_SPLITS)  # and each head's weights of its splits
-        template = [("BITS", p.bits), ("STORED_BIASES", p.stored_biases), ("K", p.cols), ("R", rows_per_warp),
-                    ("HEAD_DIM", self.config.head_dim), ("ROWS", p.rows)]
-        return kernel(inputs=[partials, *p.arrays(), residual], template=template,
-                      grid=(32 * _round_up(-(-p.rows // rows_per_warp), WARPS), 1, 1), threadgroup=(32 * WARPS, 1, 1),
-                      output_shapes=[(p.rows,)], output_dtypes=[residual.dtype])[0]
-
-    def _gate_up(self, h: mx.array, layer: dict, act: mx.Dtype) -> mx.array:
-        gate, up = layer["gate"], layer["up"]
-        rows_per_warp = 1
-        kernel = _kernel(
-            "gate_up", ("x", "norm_w", "eps", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up"), ("y",),
-            "gate_up_kernel<GATE_BITS, GATE_BIASES, UP_BITS, UP_BIASES, K, R>(x, norm_w, eps, w_gate, s_gate, b_gate,"
-            " w_up, s_up, b_up, ROWS, y);",
-            _staged_floats(gate.cols))
-        template = [("GATE_BITS", gate.bits), ("GATE_BIASES", gate.stored_biases), ("UP_BITS", up.bits),
-                    ("UP_BIASES", up.stored_biases), ("K", gate.cols), ("R", rows_per_warp), ("ROWS", gate.rows)]
-        return kernel(inputs=[h, layer["ffn_norm"], self.eps, *gate.arrays(), *up.arrays()], template=template,
-                      grid=(32 * _round_up(-(-gate.rows // rows_per_warp), WARPS), 1, 1),
-                      threadgroup=(32 * WARPS, 1, 1), output_shapes=[(gate.rows,)], output_dtypes=[act])[0]
-
-    def _matvec(self, p: Projection, x: mx.array, out_dtype: mx.Dtype, residual: mx.array | None = None,
-                norm: mx.array | None = None) -> mx.array:
+    def _head(self, x: mx.array) -> mx.array:
+        """Logits (float32) of the last layer's output x."""
+        p = self.head
         rows_per_warp = 2 if p.rows >= 16384 else 1
-        kernel = _kernel(
-            "matvec", ("x", "norm_w", "eps", "w", "scales", "biases", "residual"), ("y",),
-            "matvec_kernel<NORM, RESIDUAL, BITS, STORED_BIASES, K, R>(x, norm_w, eps, w, scales, biases,"
-            " residual, ROWS, y);",
-            _staged_floats(p.cols))
-        template = [("NORM", norm is not None), ("RESIDUAL", residual is not None), ("BITS", p.bits),
-                    ("STORED_BIASES", p.stored_biases), ("K", p.cols), ("R", rows_per_warp), ("ROWS", p.rows)]
-        return kernel(inputs=[x, norm if norm is not None else x, self.eps, *p.arrays(),
-                              residual if residual is not None else x],
-                      template=template, grid=(32 * _round_up(-(-p.rows // rows_per_warp), WARPS), 1, 1),
-                      threadgroup=(32 * WARPS, 1, 1), output_shapes=[(p.rows,)], output_dtypes=[out_dtype])[0]
+        kernel = _kernel("head", ("x", "norm_w", "eps", "w", "scales", "biases"), ("y",),
+                         "head_kernel<BITS, STORED_BIASES, K, R>(x, norm_w, eps, w, scales, biases, ROWS, y);",
+                         _staged_floats(p.cols))
+        template = [("BITS", p.bits), ("STORED_BIASES", p.stored_biases), ("K", p.cols), ("R", rows_per_warp),
+                    ("ROWS", p.rows)]
+        return kernel(inputs=[x, self.output_norm, self.eps, *p.arrays()], template=template,
+                      grid=(32 * _round_up(-(-p.rows // rows_per_warp), HEAD_WARPS), 1, 1),
+                      threadgroup=(32 * HEAD_WARPS, 1, 1), output_shapes=[(p.rows,)], output_dtypes=[mx.float32])[0]
 
 
 def _compiled_forward(step: KernelStep):
-    """mx.compile of step._forward, which then costs one call from Python instead of ~130 launches'
-    worth of graph building; it holds the step weakly, as model._compiled_step holds its model."""
+    """mx.compile of step._forward, which then costs one call from Python instead of building the
+    step's graph (about 25 operations) every token; it holds the step weakly, as
+    model._compiled_step holds its model."""
     step_ref = weakref.ref(step)
     return mx.compile(lambda *args: step_ref()._forward(*args))
+
+
+def _multiprocessors() -> int | None:
+    """The GPU's number of SMs (CUDA's driver API: MLX does not report it), or None."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0)
+            or cuda.cuDeviceGetAttribute(ctypes.byref(count), multiprocessor_count, device)):
+        return None
+    return count.value
 
 
 def _on_device(a: mx.array) -> mx.array:

@@ -1,4 +1,5 @@
-// Kernels of cuda_step.py: one decode step of one sequence, five launches a layer.
+// Kernels of cuda_step.py: one decode step of one sequence, one launch a layer (layer_kernel)
+// and one for the output head (matvec_kernel).
 //
 // Included as the header of MLX custom kernels (mx.fast.cuda_kernel), whose generated bodies are
 // one call each to a *_kernel function below; the names in those calls are the kernels' inputs
@@ -27,8 +28,21 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-// Threads a block of every kernel but attention_kernel's (cuda_step.py launches them so): as a
-// constant, the staging loops unroll and issue all their loads at once.
+// L1 caches are not coherent between SMs: what other blocks wrote earlier in the same launch
+// (layer_kernel) is read from L2.
+template <typename T>
+__device__ inline float load_fresh(const T* p) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float, or a 16-bit float type");
+  if constexpr (sizeof(T) == 4) {
+    return __ldcg(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return static_cast<float>(*reinterpret_cast<const T*>(&bits));
+  }
+}
+
+// Threads a block of matvec_kernel (cuda_step.py launches it so): as a constant, the staging
+// loops unroll and issue all their loads at once.
 constexpr int THREADS = 256;
 
 __device__ inline float* shared_floats() {
@@ -42,11 +56,11 @@ __device__ inline float& staged(float* smem, int k) {
 }
 
 // After the values: the sum of each group, which the group's bias multiplies.
-template <int K>
+template <int K, int NT = THREADS>
 __device__ void stage_group_sums(float* smem) {
   __syncthreads();
   float* gsum = smem + K / GROUP * GROUP_STRIDE;
-  for (int g = threadIdx.x; g < K / GROUP; g += THREADS) {
+  for (int g = threadIdx.x; g < K / GROUP; g += NT) {
     const float4* group = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
     float sum = 0.0f;
 #pragma unroll
@@ -59,15 +73,15 @@ __device__ void stage_group_sums(float* smem) {
   __syncthreads();
 }
 
-// The input x (times 1 / rms(x) * norm_w when NORM).
-template <bool NORM, int K, typename T, typename N>
+// The input x (times 1 / rms(x) * norm_w when NORM), read from L2 (load_fresh).
+template <bool NORM, int K, int NT = THREADS, typename T, typename N>
 __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem) {
-  constexpr int per_thread = (K + THREADS - 1) / THREADS;
+  constexpr int per_thread = (K + NT - 1) / NT;
   float v[per_thread], w[per_thread];
 #pragma unroll
   for (int i = 0; i < per_thread; ++i) {
-    const int k = threadIdx.x + i * THREADS;
-    v[i] = k < K ? static_cast<float>(x[k]) : 0.0f;
+    const int k = threadIdx.x + i * NT;
+    v[i] = k < K ? load_fresh(x + k) : 0.0f;
     w[i] = NORM && k < K ? static_cast<float>(norm_w[k]) : 1.0f;
   }
   if (NORM) {
@@ -84,7 +98,7 @@ __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem)
     __syncthreads();
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < THREADS / 32; ++i) {
+    for (int i = 0; i < NT / 32; ++i) {
       total += scratch[i];
     }
     const float inv_rms = rsqrtf(total / K + eps);
@@ -95,61 +109,22 @@ __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem)
   }
 #pragma unroll
   for (int i = 0; i < per_thread; ++i) {
-    const int k = threadIdx.x + i * THREADS;
+    const int k = threadIdx.x + i * NT;
     if (k < K) {
       staged(smem, k) = v[i];
     }
   }
-  stage_group_sums<K>(smem);
+  stage_group_sums<K, NT>(smem);
 }
 
-// Most runs of slots a head's attention is split into (cuda_step.py's MAX_SPLITS).
-constexpr int MAX_SPLITS = 32;
-
-// The attention output: each head's partial results [splits][HEAD_DIM + 2] (weighted values, their
-// max score, their sum of exponentials; attention_kernel) combined into one softmax. Each head's
-// weights of its splits are found once, then every value is a sum of independent loads.
-template <int HEAD_DIM, int K>
-__device__ void stage_attention(const float* partials, int splits, float* smem) {
-  constexpr int heads = K / HEAD_DIM, stride = HEAD_DIM + 2;
-  float* weights = smem + K / GROUP * (GROUP_STRIDE + 1) + 33;  // [heads][MAX_SPLITS]
-  for (int h = threadIdx.x; h < heads; h += THREADS) {
-    const float* p = partials + static_cast<size_t>(h) * splits * stride;
-    float m[MAX_SPLITS], l[MAX_SPLITS], top = negative_infinity();
-#pragma unroll
-    for (int s = 0; s < MAX_SPLITS; ++s) {
-      m[s] = s < splits ? p[s * stride + HEAD_DIM] : negative_infinity();
-      l[s] = s < splits ? p[s * stride + HEAD_DIM + 1] : 0.0f;
-    }
-#pragma unroll
-    for (int s = 0; s < MAX_SPLITS; ++s) {
-      top = fmaxf(top, m[s]);
-    }
-    float den = 0.0f;
-#pragma unroll
-    for (int s = 0; s < MAX_SPLITS; ++s) {
-      m[s] = m[s] == negative_infinity() ? 0.0f : expf(m[s] - top);  // a split that saw no slot: 0
-      den += l[s] * m[s];
-    }
-#pragma unroll
-    for (int s = 0; s < MAX_SPLITS; ++s) {
-      weights[h * MAX_SPLITS + s] = m[s] / den;
-    }
+// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2.
+template <int K, int NT>
+__device__ void stage_swiglu(const float* gate, const float* up, float* smem) {
+  for (int k = threadIdx.x; k < K; k += NT) {
+    const float g = __ldcg(gate + k);
+    staged(smem, k) = g / (1.0f + expf(-g)) * __ldcg(up + k);
   }
-  __syncthreads();
-  for (int k = threadIdx.x; k < K; k += THREADS) {
-    const int h = k / HEAD_DIM;
-    const float* p = partials + static_cast<size_t>(h) * splits * stride + k % HEAD_DIM;
-    float value = 0.0f;
-#pragma unroll
-    for (int s = 0; s < MAX_SPLITS; ++s) {
-      if (s < splits) {
-        value += p[s * stride] * weights[h * MAX_SPLITS + s];
-      }
-    }
-    staged(smem, k) = value;
-  }
-  stage_group_sums<K>(smem);
+  stage_group_sums<K, NT>(smem);
 }
 
 // One group's BITS words: 16-byte loads where the group's offset allows them.
@@ -246,106 +221,57 @@ __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, co
   }
 }
 
-// The first of this warp's R consecutive output rows, and in `rows` the rows it reads: past the
-// last row, the last row again (read, never written).
+// Rows first, first + 1, ... first + R - 1 in `rows`; past the last row, the last row again
+// (read, never written).
 template <int R>
-__device__ inline int warp_rows(int total_rows, int* rows) {
-  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
+__device__ inline void rows_from(int first, int total_rows, int* rows) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     rows[r] = min(first + r, total_rows - 1);
   }
-  return first;
 }
 
-// After staging: each warp's R consecutive rows of W times the input (+ residual) into y.
-template <int BITS, bool STORED_BIASES, int K, int R, bool RESIDUAL, typename S, typename Res, typename O>
-__device__ void project(const uint32_t* w, const S* scales, const S* biases, const Res* residual, int total_rows,
-                        const float* smem, O* y) {
-  int rows[R];
-  const int first = warp_rows<R>(total_rows, rows);
+// The output head: y = W RMSNorm(x), R consecutive rows a warp.
+template <int BITS, bool STORED_BIASES, int K, int R, typename T, typename N, typename S, typename O>
+__device__ void head_kernel(const T* x, const N* norm_w, const float* eps, const uint32_t* w, const S* scales,
+                            const S* biases, int total_rows, O* y) {
+  float* smem = shared_floats();
+  stage_input<true, K>(x, norm_w, eps[0], smem);
+  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
   if (first >= total_rows) {
     return;
   }
+  int rows[R];
+  rows_from<R>(first, total_rows, rows);
   float out[R];
   rows_dot<BITS, STORED_BIASES, K, R>(w, scales, biases, rows, smem, out);
   if (threadIdx.x % 32 == 0) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (first + r < total_rows) {
-        y[first + r] = static_cast<O>(out[r] + (RESIDUAL ? static_cast<float>(residual[first + r]) : 0.0f));
+        y[first + r] = static_cast<O>(out[r]);
       }
     }
   }
 }
 
-// y = W x (+ residual), after RMSNorm of x when NORM.
-template <bool NORM, bool RESIDUAL, int BITS, bool STORED_BIASES, int K, int R, typename T, typename N, typename S,
-          typename Res, typename O>
-__device__ void matvec_kernel(const T* x, const N* norm_w, const float* eps, const uint32_t* w, const S* scales,
-                              const S* biases, const Res* residual, int rows, O* y) {
-  float* smem = shared_floats();
-  stage_input<NORM, K>(x, norm_w, eps[0], smem);
-  project<BITS, STORED_BIASES, K, R, RESIDUAL>(w, scales, biases, residual, rows, smem, y);
-}
-
-// y = residual + W_o attention, the attention combined from attention_kernel's partial results.
-template <int BITS, bool STORED_BIASES, int K, int R, int HEAD_DIM, typename S, typename Res, typename O>
-__device__ void attention_output_kernel(const float* partials, int splits, const uint32_t* w, const S* scales,
-                                        const S* biases, const Res* residual, int rows, O* y) {
-  float* smem = shared_floats();
-  stage_attention<HEAD_DIM, K>(partials, splits, smem);
-  project<BITS, STORED_BIASES, K, R, true>(w, scales, biases, residual, rows, smem, y);
-}
-
-// RMSNorm, then R rows of the gate and of the up projection a warp: y = silu(gate x) * (up x).
-template <int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int K, int R, typename T, typename N,
-          typename S, typename O>
-__device__ void gate_up_kernel(const T* x, const N* norm_w, const float* eps, const uint32_t* w_gate,
-                               const S* s_gate, const S* b_gate, const uint32_t* w_up, const S* s_up,
-                               const S* b_up, int total_rows, O* y) {
-  float* smem = shared_floats();
-  stage_input<true, K>(x, norm_w, eps[0], smem);
-  int rows[R];
-  const int first = warp_rows<R>(total_rows, rows);
-  if (first >= total_rows) {
-    return;
-  }
-  float gate[R], up[R];
-  rows_dot<GATE_BITS, GATE_BIASES, K, R>(w_gate, s_gate, b_gate, rows, smem, gate);
-  rows_dot<UP_BITS, UP_BIASES, K, R>(w_up, s_up, b_up, rows, smem, up);
-  if (threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (first + r < total_rows) {
-        y[first + r] = static_cast<O>(gate[r] / (1.0f + expf(-gate[r])) * up[r]);
-      }
-    }
-  }
-}
-
-// RMSNorm, then the Q, K and V projections (and their biases when BIAS), RoPE on Q and K. A warp
-// computes PAIRS pairs of rows that RoPE rotates together: adjacent ones (TRADITIONAL, llama's
-// permuted weights) or ROPE_DIM / 2 apart (NeoX); a head's dims past ROPE_DIM stay as they are.
-// Q goes to q [HEADS * HEAD_DIM]; the new key and value are written into the cache buffers
-// keys/values [KV_HEADS, capacity, HEAD_DIM] at `position`, in place (cuda_step.py says why).
+// Step 1 of layer_kernel for one warp: PAIRS pairs of rows of Q, K or V from pair `first` on,
+// times the staged normalized input (plus their biases when BIAS), RoPE on Q's and K's. A pair is
+// two rows that RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or
+// ROPE_DIM / 2 apart (NeoX); a head's dims past ROPE_DIM stay as they are. Q goes to q
+// [HEADS * HEAD_DIM]; the new key and value are written into the cache buffers keys/values
+// [KV_HEADS, capacity, HEAD_DIM] at `position`, in place (cuda_step.py says why).
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
-          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, int PAIRS, typename T, typename N,
-          typename S, typename B, typename C, typename O>
-__device__ void qkv_rope_kernel(const T* x, const N* norm_w, const float* eps, const uint32_t* w_q, const S* s_q,
-                                const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
-                                const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
-                                const int32_t* position, const float* inv_freq, const float* attn_factor,
-                                const C* keys, const C* values, int capacity, O* q) {
-  float* smem = shared_floats();
-  stage_input<true, K>(x, norm_w, eps[0], smem);
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, int PAIRS, typename S, typename B,
+          typename C, typename O>
+__device__ void qkv_rope_pairs(int first, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
+                               const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
+                               const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
+                               const int32_t* position, const float* inv_freq, const float* attn_factor,
+                               const C* keys, const C* values, int capacity, O* q) {
   constexpr int half = HEAD_DIM / 2;
   constexpr int q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
   static_assert(kv_pairs % PAIRS == 0, "a warp's pairs lie in one of Q, K, V");
-  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * PAIRS;
-  if (first >= q_pairs + 2 * kv_pairs) {
-    return;
-  }
   const int part = first < q_pairs ? 0 : (first < q_pairs + kv_pairs ? 1 : 2);
   const int part_first = first - (part == 0 ? 0 : (part == 1 ? q_pairs : q_pairs + kv_pairs));
   int rows[2 * PAIRS];
@@ -408,53 +334,77 @@ __device__ void qkv_rope_kernel(const T* x, const N* norm_w, const float* eps, c
   }
 }
 
-// Attention of one new query per head over cache slots 0..position, split: block (head, split)
-// takes the split-th of gridDim.y equal runs of the cache's slots, in chunks of 32 slots, one chunk
-// a warp at a time. Each lane scores its own slot of the chunk (so a chunk's key loads are in
-// flight together), then the warp adds the chunk's values to an online softmax. The block
-// combines its warps and writes partials[head][split] = (weighted values [HEAD_DIM], max score,
-// sum of exponentials), which attention_output_kernel combines.
-// keys/values: [KV_HEADS, capacity, HEAD_DIM].
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int WARPS, typename Q, typename C>
-__device__ void attention_kernel(const Q* q, const C* keys, const C* values, int capacity,
-                                 const int32_t* position, float* partials) {
-  static_assert(HEAD_DIM % 32 == 0, "each lane holds HEAD_DIM / 32 dims");
-  constexpr int per_lane = HEAD_DIM / 32;
-  __shared__ float q_shared[HEAD_DIM], warp_max[WARPS], warp_sum_exp[WARPS], warp_acc[WARPS][HEAD_DIM];
-  const int head = blockIdx.x, kv_head = head / (HEADS / KV_HEADS);
-  const int split = blockIdx.y, splits = gridDim.y;
-  const int run = (capacity + splits - 1) / splits;
-  const int begin = split * run, end = min(begin + run, position[0] + 1);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  for (int d = threadIdx.x; d < HEAD_DIM; d += WARPS * 32) {
-    q_shared[d] = static_cast<float>(q[head * HEAD_DIM + d]) * scale;
+// ---------------------------------------------------------------------------------------------
+// layer_kernel: a whole layer in one launch, its five steps separated by grid-wide barriers.
+
+// One block an SM (cuda_step.py launches as many blocks as the GPU has SMs), so that every block
+// is resident at once and a block waiting at a barrier never keeps another from running.
+constexpr int LAYER_THREADS = 512, LAYER_WARPS = LAYER_THREADS / 32;
+
+// The launch's warps counted across blocks first, so that consecutive work items go to different SMs.
+__device__ inline int grid_warp() {
+  return threadIdx.x / 32 * gridDim.x + blockIdx.x;
+}
+
+__device__ inline int grid_warps() {
+  return LAYER_WARPS * gridDim.x;
+}
+
+// Every block waits until all have arrived. `arrivals` counts the arrivals of all launches since
+// it was made zero; every launch using it has the same grid, so before each barrier it is a
+// multiple of the grid size, and this barrier completes at the next multiple.
+__device__ inline void grid_barrier(unsigned long long* arrivals) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long arrived = atomicAdd(arrivals, 1ull) + 1;
+    const unsigned long long target = (arrived + gridDim.x - 1) / gridDim.x * gridDim.x;
+    unsigned long long seen;
+    do {
+      asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals) : "memory");
+    } while (seen < target);
   }
   __syncthreads();
-  const C* k_head = keys + static_cast<size_t>(kv_head) * capacity * HEAD_DIM;
-  const C* v_head = values + static_cast<size_t>(kv_head) * capacity * HEAD_DIM;
+}
+
+__device__ inline float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
+  }
+  return v;
+}
+
+// One warp's attention of a query (q: HEAD_DIM scaled values in shared memory) over the cache
+// slots [begin, end) of its KV head: an online softmax over chunks of 32 slots, each lane scoring
+// one slot of a chunk. out = (weighted values [HEAD_DIM], max score, sum of exponentials).
+template <int HEAD_DIM, typename C>
+__device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out) {
+  static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
+  constexpr int per_lane = HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
   float running_max = negative_infinity(), sum_exp = 0.0f, acc[per_lane];
 #pragma unroll
   for (int j = 0; j < per_lane; ++j) {
     acc[j] = 0.0f;
   }
-  for (int chunk = begin + 32 * warp; chunk < end; chunk += 32 * WARPS) {
+  for (int chunk = begin; chunk < end; chunk += 32) {
     const int slot = chunk + lane;
     float score = negative_infinity();
     if (slot < end) {
-      const C* k = k_head + static_cast<size_t>(slot) * HEAD_DIM;
+      const uint4* k = reinterpret_cast<const uint4*>(k_head + static_cast<size_t>(slot) * HEAD_DIM);
       score = 0.0f;
 #pragma unroll
-      for (int d = 0; d < HEAD_DIM; ++d) {
-        score += q_shared[d] * static_cast<float>(k[d]);
+      for (int i = 0; i < HEAD_DIM / 8; ++i) {
+        const uint4 packed = __ldcg(k + i);
+        const C* eight = reinterpret_cast<const C*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          score += q[8 * i + j] * static_cast<float>(eight[j]);
+        }
       }
     }
-    float chunk_max = score;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffff, chunk_max, offset));
-    }
-    const float new_max = fmaxf(running_max, chunk_max);
+    const float new_max = fmaxf(running_max, warp_max(score));
     const float correction = expf(running_max - new_max);
     const float p = slot < end ? expf(score - new_max) : 0.0f;
     sum_exp = sum_exp * correction + warp_sum(p);
@@ -462,7 +412,6 @@ __device__ void attention_kernel(const Q* q, const C* keys, const C* values, int
     for (int j = 0; j < per_lane; ++j) {
       acc[j] *= correction;
     }
-    // Unrolled, so that the 32 slots' value loads are in flight together.
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
       const float p_t = __shfl_sync(0xffffffff, p, t);
@@ -470,34 +419,162 @@ __device__ void attention_kernel(const Q* q, const C* keys, const C* values, int
         const C* v = v_head + static_cast<size_t>(chunk + t) * HEAD_DIM + lane * per_lane;
 #pragma unroll
         for (int j = 0; j < per_lane; ++j) {
-          acc[j] += p_t * static_cast<float>(v[j]);
+          acc[j] += p_t * load_fresh(v + j);
         }
       }
     }
     running_max = new_max;
   }
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    out[lane * per_lane + j] = acc[j];
+  }
   if (lane == 0) {
-    warp_max[warp] = running_max;
-    warp_sum_exp[warp] = sum_exp;
+    out[HEAD_DIM] = running_max;
+    out[HEAD_DIM + 1] = sum_exp;
+  }
+}
+
+// One warp combines a head's runs (partials [splits][HEAD_DIM + 2], none empty) into its output.
+template <int HEAD_DIM>
+__device__ void combine_runs(const float* partials, int splits, float* out) {
+  constexpr int stride = HEAD_DIM + 2, per_lane = HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
+  float top = negative_infinity();
+  for (int s = lane; s < splits; s += 32) {
+    top = fmaxf(top, __ldcg(partials + s * stride + HEAD_DIM));
+  }
+  top = warp_max(top);
+  float den = 0.0f, num[per_lane];
+  for (int s = lane; s < splits; s += 32) {
+    den += __ldcg(partials + s * stride + HEAD_DIM + 1) * expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
+  }
+  den = warp_sum(den);
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    num[j] = 0.0f;
+  }
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {  // unrolled, so that eight runs' loads are in flight together
+    const float weight = expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      num[j] += weight * __ldcg(partials + s * stride + lane * per_lane + j);
+    }
   }
 #pragma unroll
   for (int j = 0; j < per_lane; ++j) {
-    warp_acc[warp][lane * per_lane + j] = acc[j];
+    out[lane * per_lane + j] = num[j] / den;
   }
-  __syncthreads();
-  float top = negative_infinity();
-  for (int w = 0; w < WARPS; ++w) {
-    top = fmaxf(top, warp_max[w]);
+}
+
+// One layer of one sequence's decode step, y = the layer's output for input x (both float32):
+//   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pairs);
+//   2. attention, a warp for each head and run of slots; the last warp done with a head combines its runs;
+//   3. output projection + residual -> h;
+//   4. RMSNorm, gate and up -> gate, up;
+//   5. SiLU(gate) * up, down projection + residual -> y.
+// q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn, h, gate and up hold what one step hands the next.
+// `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head, its
+// runs done so far (made zero again by the warp that combines them); all zero when first used.
+template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
+          int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
+          int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B, typename C, typename O>
+__device__ void layer_kernel(const float* x, const N* attn_norm, const float* eps, const uint32_t* w_q, const S* s_q,
+                             const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
+                             const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
+                             const int32_t* position, const float* inv_freq, const float* attn_factor,
+                             const C* keys, const C* values, int capacity, const uint32_t* w_o, const S* s_o,
+                             const S* b_o, const N* ffn_norm, const uint32_t* w_gate, const S* s_gate,
+                             const S* b_gate, const uint32_t* w_up, const S* s_up, const S* b_up,
+                             const uint32_t* w_down, const S* s_down, const S* b_down, const uint32_t* sync,
+                             float* y, O* q, float* partials, float* attn, float* h, float* gate, float* up) {
+  float* smem = shared_floats();
+  unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
+  unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
+  const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
+
+  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);
+  for (int pair = warp; pair < (HEADS + 2 * KV_HEADS) * HEAD_DIM / 2; pair += warps) {
+    qkv_rope_pairs<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
+                   TRADITIONAL, HIDDEN, 1>(pair, smem, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q, bias_k,
+                                           bias_v, position, inv_freq, attn_factor, keys, values, capacity, q);
   }
-  float* out = partials + (static_cast<size_t>(head) * splits + split) * (HEAD_DIM + 2);
-  for (int d = threadIdx.x; d < HEAD_DIM + 2; d += WARPS * 32) {
-    float num = 0.0f, den = 0.0f;
-    for (int w = 0; w < WARPS; ++w) {
-      // A warp that saw no slot has max -inf and adds nothing.
-      const float weight = warp_max[w] == negative_infinity() ? 0.0f : expf(warp_max[w] - top);
-      num += (d < HEAD_DIM ? warp_acc[w][d] : 0.0f) * weight;
-      den += warp_sum_exp[w] * weight;
+  grid_barrier(arrivals);
+
+  // Runs of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow.
+  const int slots = position[0] + 1, chunks = (slots + 31) / 32;
+  const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
+  float* q_scaled = smem + threadIdx.x / 32 * HEAD_DIM;
+  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
+  for (int item = warp; item < HEADS * runs; item += warps) {
+    const int head = item % HEADS, r = item / HEADS, kv_head = head / (HEADS / KV_HEADS);
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      q_scaled[d] = load_fresh(q + head * HEAD_DIM + d) * scale;
     }
-    out[d] = d < HEAD_DIM ? num : (d == HEAD_DIM ? top : den);
+    __syncwarp();
+    const size_t kv_offset = static_cast<size_t>(kv_head) * capacity * HEAD_DIM;
+    float* head_partials = partials + static_cast<size_t>(head) * MAX_RUNS * (HEAD_DIM + 2);
+    attention_run<HEAD_DIM>(q_scaled, keys + kv_offset, values + kv_offset, r * run, min(r * run + run, slots),
+                            head_partials + r * (HEAD_DIM + 2));
+    __threadfence();
+    __syncwarp();
+    unsigned int done = 0;
+    if (lane == 0) {
+      done = atomicAdd(runs_done + head, 1u) + 1;
+    }
+    if (__shfl_sync(0xffffffff, done, 0) == runs) {
+      __threadfence();
+      combine_runs<HEAD_DIM>(head_partials, runs, attn + head * HEAD_DIM);
+      if (lane == 0) {
+        runs_done[head] = 0;
+      }
+    }
+  }
+  grid_barrier(arrivals);
+
+  stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
+  for (int row = warp; row < HIDDEN; row += warps) {
+    float dot;
+    rows_dot<O_BITS, O_BIASES, HEADS * HEAD_DIM, 1>(w_o, s_o, b_o, &row, smem, &dot);
+    if (lane == 0) {
+      h[row] = x[row] + dot;
+    }
+  }
+  grid_barrier(arrivals);
+
+  // Gate and up rows as separate items of FFN_ROWS rows each, whose loads a warp issues together.
+  stage_input<true, HIDDEN, LAYER_THREADS>(h, ffn_norm, eps[0], smem);
+  constexpr int ffn_items = (FFN + FFN_ROWS - 1) / FFN_ROWS;
+  for (int item = warp; item < 2 * ffn_items; item += warps) {
+    const bool is_up = item >= ffn_items;
+    const int first = (item - (is_up ? ffn_items : 0)) * FFN_ROWS;
+    int rows[FFN_ROWS];
+    rows_from<FFN_ROWS>(first, FFN, rows);
+    float out[FFN_ROWS];
+    if (is_up) {
+      rows_dot<UP_BITS, UP_BIASES, HIDDEN, FFN_ROWS>(w_up, s_up, b_up, rows, smem, out);
+    } else {
+      rows_dot<GATE_BITS, GATE_BIASES, HIDDEN, FFN_ROWS>(w_gate, s_gate, b_gate, rows, smem, out);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < FFN_ROWS; ++r) {
+        if (first + r < FFN) {
+          (is_up ? up : gate)[first + r] = out[r];
+        }
+      }
+    }
+  }
+  grid_barrier(arrivals);
+
+  stage_swiglu<FFN, LAYER_THREADS>(gate, up, smem);
+  for (int row = warp; row < HIDDEN; row += warps) {
+    float dot;
+    rows_dot<DOWN_BITS, DOWN_BIASES, FFN, 1>(w_down, s_down, b_down, &row, smem, &dot);
+    if (lane == 0) {
+      y[row] = load_fresh(h + row) + dot;
+    }
   }
 }

@@ -42,20 +42,33 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", MODELS)
 def test_kernel_step_matches_the_plain_step(name):
     runtime = mlxllama.load(find_fixture_model(name))
-    model = runtime.model
-    kernel_step = model.kernel_step
-    assert kernel_step is not None
-    ids = [i % runtime.config.vocab_size for i in PROMPT]
-    caches = make_cache(runtime.config.n_layers), make_cache(runtime.config.n_layers)
+    assert runtime.model.kernel_step is not None
+    assert_steps_match(runtime.model, runtime.model.kernel_step, [i % runtime.config.vocab_size for i in PROMPT])
+
+
+@on_cuda
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_kernel_step_over_many_runs_of_slots(blocks):
+    """300 cached slots: each head's attention split into runs of one chunk (32 slots) on the whole
+    GPU, and on 3 blocks into fewer runs of several chunks each."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    step = runtime.model.kernel_step if blocks is None else cuda_step.KernelStep(runtime.model, blocks)
+    ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, 300).tolist()
+    assert_steps_match(runtime.model, step, ids)
+
+
+def assert_steps_match(model, kernel_step, ids: list[int]):
+    """STEPS greedy steps after `ids` through kernel_step and through the plain step, side by side."""
+    caches = make_cache(model.config.n_layers), make_cache(model.config.n_layers)
     for cache in caches:
         model(mx.array([ids]), cache)
     token = mx.array([[ids[-1]]])
     kls = []
     for step in range(STEPS):
+        model.kernel_step = kernel_step
         got = np.array(model.step(token, caches[0])[0])
         model.kernel_step = None
         want = np.array(model.step(token, caches[1])[0])
-        model.kernel_step = kernel_step
         assert caches[0][0].offset == caches[1][0].offset == len(ids) + step + 1
         p, q = softmax(want.astype(np.float64)), softmax(got.astype(np.float64))
         kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
@@ -87,7 +100,7 @@ def test_projections_of_fused_layers_are_the_files_tensors():
     exactly the file's tensor, so the kernels are built here (no kernel runs) and compared."""
     path = find_fixture_model("chat-tiny-Q4_K_M.gguf")
     runtime = mlxllama.load(path)
-    step = cuda_step.KernelStep(runtime.model)
+    step = cuda_step.KernelStep(runtime.model, blocks=132)
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     fused_blocks = [i for i, block in enumerate(runtime.model.blk) if "attn_qkv" in block]
@@ -107,7 +120,7 @@ def test_rope_inverse_frequencies_match_mlx_rope():
     """inv_freq[i] * position is the angle MLX's RoPE (model.py's path) turns pair i by."""
     runtime = mlxllama.load(find_fixture_model("phi3-longrope-tiny-Q8_0.gguf"), context_length=256)
     c = runtime.config
-    step = cuda_step.KernelStep(runtime.model)
+    step = cuda_step.KernelStep(runtime.model, blocks=132)
     position, half = 37, c.rope_dim // 2
     # Row i is 1 at dim i: NeoX pair (i, i + rope_dim / 2) turns it to (cos, sin) of pair i's angle.
     x = mx.eye(c.rope_dim)[:half].reshape(1, half, 1, c.rope_dim)
