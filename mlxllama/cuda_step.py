@@ -103,7 +103,7 @@ class KernelStep:
         # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head's attention
         # may be split into this many runs of slots.
         self.blocks = blocks
-        self.max_runs = blocks * (LAYER_THREADS // 32) // c.n_heads
+        self.max_runs = max(1, blocks * (LAYER_THREADS // 32) // c.n_heads)
         self.sync = _on_device(mx.zeros((32 + c.n_heads,), mx.uint32))
         # Not the model itself, which holds this step: a cycle would keep both alive until the cycle collector ran.
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
