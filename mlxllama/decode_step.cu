@@ -1,5 +1,5 @@
 // Kernels of cuda_step.py: one decode step of one sequence, one launch a layer (layer_kernel)
-// and one for the output head (matvec_kernel).
+// and one for the output head (head_kernel).
 //
 // Included as the header of MLX custom kernels (mx.fast.cuda_kernel), whose generated bodies are
 // one call each to a *_kernel function below; the names in those calls are the kernels' inputs
@@ -41,7 +41,7 @@ __device__ inline float load_fresh(const T* p) {
   }
 }
 
-// Threads a block of matvec_kernel (cuda_step.py launches it so): as a constant, the staging
+// Threads a block of head_kernel (cuda_step.py launches it so): as a constant, the staging
 // loops unroll and issue all their loads at once.
 constexpr int THREADS = 256;
 
