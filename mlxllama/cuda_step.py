@@ -108,6 +108,9 @@ class KernelStep:
         # Not the model itself, which holds this step: a cycle would keep both alive until the cycle collector ran.
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        # decode_step.cu's layer_kernel: q, partials, attn, h, gate, up.
+        self.scratch = _on_device(mx.zeros((2 * q_dim + c.n_heads * self.max_runs * (c.head_dim + 2) + c.hidden_size
+                                            + 2 * c.ffn_size,), mx.float32))
         self.layers = []
         for block in model.blk:
             q, k, v = _projections(block, "attn_qkv", [q_dim, kv_dim, kv_dim])
@@ -147,8 +150,8 @@ class KernelStep:
         cannot reuse a buffer that the cache still holds). It is safe because nothing reads a slot
         before this step writes it: the kernel's attention reads the cache only after a grid-wide
         barrier that follows the write, and earlier steps read only earlier slots.
-        The layers' launches share `self.sync` (the barrier's count) and never overlap: each takes
-        the previous one's output.
+        The layers' launches share `self.sync` (the barrier's count) and `self.scratch` (what the
+        kernel's steps hand on) and never overlap: each takes the previous one's output.
         """
         c = self.config
         q, k, v, o, gate, up, down = (layer[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -164,8 +167,8 @@ class KernelStep:
         inputs = ["x", "attn_norm", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v", "s_v", "b_v", "bias_q",
                   "bias_k", "bias_v", "position", "inv_freq", "attn_factor", "keys", "values", "w_o", "s_o", "b_o",
                   "ffn_norm", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "w_down", "s_down", "b_down",
-                  "sync"]
-        outputs = ["y", "q", "partials", "attn", "h", "gate", "up"]
+                  "sync", "scratch"]
+        outputs = ["y"]
         arguments = inputs[:20] + ["keys_shape[2]"] + inputs[20:] + outputs
         call = f"layer_kernel<{', '.join(n for n, _ in template)}>({', '.join(arguments)});"
         shared = max(_staged_floats(q.cols), _staged_floats(gate.rows), _staged_floats(o.cols),
@@ -173,11 +176,9 @@ class KernelStep:
         kernel = _kernel("layer", tuple(inputs), tuple(outputs), call, shared)
         return kernel(inputs=[x, layer["attn_norm"], self.eps, *q.arrays(), *k.arrays(), *v.arrays(), *biases,
                               position, self.inv_freq, self.attn_factor, keys, values, *o.arrays(),
-                              layer["ffn_norm"], *gate.arrays(), *up.arrays(), *down.arrays(), self.sync],
+                              layer["ffn_norm"], *gate.arrays(), *up.arrays(), *down.arrays(), self.sync, self.scratch],
                       template=template, grid=(LAYER_THREADS * self.blocks, 1, 1), threadgroup=(LAYER_THREADS, 1, 1),
-                      output_shapes=[(o.rows,), (q.rows,), (c.n_heads, self.max_runs, c.head_dim + 2), (q.rows,),
-                                     (o.rows,), (gate.rows,), (gate.rows,)],
-                      output_dtypes=[mx.float32, self.compute_dtype] + [mx.float32] * 5)[0]
+                      output_shapes=[(o.rows,)], output_dtypes=[mx.float32])[0]
 
     def _head(self, x: mx.array) -> mx.array:
         """Logits (float32) of the last layer's output x."""

@@ -117,12 +117,24 @@ __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem)
   stage_group_sums<K, NT>(smem);
 }
 
-// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2.
+// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2: every load is
+// issued before the first is used, as in stage_input.
 template <int K, int NT>
 __device__ void stage_swiglu(const float* gate, const float* up, float* smem) {
-  for (int k = threadIdx.x; k < K; k += NT) {
-    const float g = __ldcg(gate + k);
-    staged(smem, k) = g / (1.0f + expf(-g)) * __ldcg(up + k);
+  constexpr int per_thread = (K + NT - 1) / NT;
+  float g[per_thread], u[per_thread];
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int k = threadIdx.x + i * NT;
+    g[i] = k < K ? __ldcg(gate + k) : 0.0f;
+    u[i] = k < K ? __ldcg(up + k) : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int k = threadIdx.x + i * NT;
+    if (k < K) {
+      staged(smem, k) = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
   }
   stage_group_sums<K, NT>(smem);
 }
@@ -162,12 +174,13 @@ __device__ inline float field(const uint32_t* words, int j) {
 
 // out[r] = row rows[r] of an affine matrix with K columns times the staged input, for R rows at
 // once, in every lane. A lane takes groups lane, lane + 32, ...; it loads the words, scales and
-// biases of up to BATCH of its groups for all R rows before it computes, so those loads are in
-// flight together.
+// biases of up to BATCH of its groups for all R rows (8 groups in all) before it computes, so
+// those loads are in flight together.
 template <int BITS, bool STORED_BIASES, int K, int R, typename S>
 __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, const int* rows, const float* smem,
                          float* out) {
-  constexpr int groups = K / GROUP, per_lane = (groups + 31) / 32, BATCH = per_lane < 4 ? per_lane : 4;
+  constexpr int groups = K / GROUP, per_lane = (groups + 31) / 32, most = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = per_lane < most ? per_lane : most;
   const float* gsum = smem + groups * GROUP_STRIDE;
   const int lane = threadIdx.x % 32;
   float acc[R];
@@ -255,82 +268,70 @@ __device__ void head_kernel(const T* x, const N* norm_w, const float* eps, const
   }
 }
 
-// Step 1 of layer_kernel for one warp: PAIRS pairs of rows of Q, K or V from pair `first` on,
-// times the staged normalized input (plus their biases when BIAS), RoPE on Q's and K's. A pair is
-// two rows that RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or
-// ROPE_DIM / 2 apart (NeoX); a head's dims past ROPE_DIM stay as they are. Q goes to q
-// [HEADS * HEAD_DIM]; the new key and value are written into the cache buffers keys/values
-// [KV_HEADS, capacity, HEAD_DIM] at `position`, in place (cuda_step.py says why).
+// Step 1 of layer_kernel for one warp: pair `pair` of rows of Q, K or V times the staged
+// normalized input (plus their biases when BIAS), RoPE on Q's and K's. A pair is two rows that
+// RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or ROPE_DIM / 2
+// apart (NeoX); a head's dims past ROPE_DIM stay as they are. Q goes to q [HEADS * HEAD_DIM]; the
+// new key and value are written into the cache buffers keys/values [KV_HEADS, capacity, HEAD_DIM]
+// at `position`, in place (cuda_step.py says why).
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
-          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, int PAIRS, typename S, typename B,
-          typename C, typename O>
-__device__ void qkv_rope_pairs(int first, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
-                               const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
-                               const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
-                               const int32_t* position, const float* inv_freq, const float* attn_factor,
-                               const C* keys, const C* values, int capacity, O* q) {
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C,
+          typename O>
+__device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
+                              const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
+                              const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
+                              const int32_t* position, const float* inv_freq, const float* attn_factor,
+                              const C* keys, const C* values, int capacity, O* q) {
   constexpr int half = HEAD_DIM / 2;
   constexpr int q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
-  static_assert(kv_pairs % PAIRS == 0, "a warp's pairs lie in one of Q, K, V");
-  const int part = first < q_pairs ? 0 : (first < q_pairs + kv_pairs ? 1 : 2);
-  const int part_first = first - (part == 0 ? 0 : (part == 1 ? q_pairs : q_pairs + kv_pairs));
-  int rows[2 * PAIRS];
-  bool rotate[PAIRS];
-#pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    const int pair = part_first + p, head = pair / half, i = pair % half;
-    int d0 = 2 * i, d1 = 2 * i + 1;
-    rotate[p] = false;
-    if (part < 2) {
-      if (TRADITIONAL) {
-        rotate[p] = d0 < ROPE_DIM;
-      } else if (i < ROPE_DIM / 2) {
-        d0 = i, d1 = i + ROPE_DIM / 2, rotate[p] = true;
-      } else {
-        d0 = ROPE_DIM + 2 * (i - ROPE_DIM / 2), d1 = d0 + 1;
-      }
+  const int part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
+  const int part_pair = pair - (part == 0 ? 0 : (part == 1 ? q_pairs : q_pairs + kv_pairs));
+  const int head = part_pair / half, i = part_pair % half;
+  int d0 = 2 * i, d1 = 2 * i + 1;
+  bool rotate = false;
+  if (part < 2) {
+    if (TRADITIONAL) {
+      rotate = d0 < ROPE_DIM;
+    } else if (i < ROPE_DIM / 2) {
+      d0 = i, d1 = i + ROPE_DIM / 2, rotate = true;
+    } else {
+      d0 = ROPE_DIM + 2 * (i - ROPE_DIM / 2), d1 = d0 + 1;
     }
-    rows[2 * p] = head * HEAD_DIM + d0;
-    rows[2 * p + 1] = head * HEAD_DIM + d1;
   }
-  float y[2 * PAIRS];
+  const int rows[2] = {head * HEAD_DIM + d0, head * HEAD_DIM + d1};
+  float y[2];
   if (part == 0) {
-    rows_dot<Q_BITS, Q_BIASES, K, 2 * PAIRS>(w_q, s_q, b_q, rows, smem, y);
+    rows_dot<Q_BITS, Q_BIASES, K, 2>(w_q, s_q, b_q, rows, smem, y);
   } else if (part == 1) {
-    rows_dot<K_BITS, K_BIASES, K, 2 * PAIRS>(w_k, s_k, b_k, rows, smem, y);
+    rows_dot<K_BITS, K_BIASES, K, 2>(w_k, s_k, b_k, rows, smem, y);
   } else {
-    rows_dot<V_BITS, V_BIASES, K, 2 * PAIRS>(w_v, s_v, b_v, rows, smem, y);
+    rows_dot<V_BITS, V_BIASES, K, 2>(w_v, s_v, b_v, rows, smem, y);
   }
   if (threadIdx.x % 32 != 0) {
     return;
   }
   const int pos = position[0];
-#pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    const int r0 = rows[2 * p], r1 = rows[2 * p + 1];
-    float y0 = y[2 * p], y1 = y[2 * p + 1];
-    if (BIAS) {
-      const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
-      y0 += static_cast<float>(bias[r0]);
-      y1 += static_cast<float>(bias[r1]);
-    }
-    if (rotate[p]) {
-      float sin_t, cos_t;
-      sincosf(static_cast<float>(pos) * inv_freq[(part_first + p) % half], &sin_t, &cos_t);
-      cos_t *= attn_factor[0];
-      sin_t *= attn_factor[0];
-      const float a = y0 * cos_t - y1 * sin_t, b = y0 * sin_t + y1 * cos_t;
-      y0 = a, y1 = b;
-    }
-    if (part == 0) {
-      q[r0] = static_cast<O>(y0);
-      q[r1] = static_cast<O>(y1);
-    } else {
-      C* cache = const_cast<C*>(part == 1 ? keys : values);
-      const size_t slot = (static_cast<size_t>(r0 / HEAD_DIM) * capacity + pos) * HEAD_DIM;
-      cache[slot + r0 % HEAD_DIM] = static_cast<C>(y0);
-      cache[slot + r1 % HEAD_DIM] = static_cast<C>(y1);
-    }
+  if (BIAS) {
+    const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
+    y[0] += static_cast<float>(bias[rows[0]]);
+    y[1] += static_cast<float>(bias[rows[1]]);
+  }
+  if (rotate) {
+    float sin_t, cos_t;
+    sincosf(static_cast<float>(pos) * inv_freq[i], &sin_t, &cos_t);
+    cos_t *= attn_factor[0];
+    sin_t *= attn_factor[0];
+    const float a = y[0] * cos_t - y[1] * sin_t, b = y[0] * sin_t + y[1] * cos_t;
+    y[0] = a, y[1] = b;
+  }
+  if (part == 0) {
+    q[rows[0]] = static_cast<O>(y[0]);
+    q[rows[1]] = static_cast<O>(y[1]);
+  } else {
+    C* cache = const_cast<C*>(part == 1 ? keys : values);
+    const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
+    cache[slot + d0] = static_cast<C>(y[0]);
+    cache[slot + d1] = static_cast<C>(y[1]);
   }
 }
 
@@ -375,21 +376,43 @@ __device__ inline float warp_max(float v) {
   return v;
 }
 
+// Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
+template <int BYTES> struct Raw;
+template <> struct Raw<2> { using type = unsigned short; };
+template <> struct Raw<4> { using type = unsigned int; };
+template <> struct Raw<8> { using type = uint2; };
+template <> struct Raw<16> { using type = uint4; };
+
 // One warp's attention of a query (q: HEAD_DIM scaled values in shared memory) over the cache
 // slots [begin, end) of its KV head: an online softmax over chunks of 32 slots, each lane scoring
 // one slot of a chunk. out = (weighted values [HEAD_DIM], max score, sum of exponentials).
+// Each lane loads its dims of every slot of a chunk (or of half of one) before it adds the first:
+// one wait for L2 a chunk, not one a slot.
 template <int HEAD_DIM, typename C>
 __device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out) {
   static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
   constexpr int per_lane = HEAD_DIM / 32;
+  using Dims = typename Raw<per_lane * sizeof(C)>::type;
   const int lane = threadIdx.x % 32;
   float running_max = negative_infinity(), sum_exp = 0.0f, acc[per_lane];
 #pragma unroll
   for (int j = 0; j < per_lane; ++j) {
     acc[j] = 0.0f;
   }
+  // Slots whose dims a lane loads at once: all 32 of a chunk where registers allow.
+  constexpr int at_once = per_lane <= 2 ? 32 : 16;
   for (int chunk = begin; chunk < end; chunk += 32) {
+    const auto load_dims = [&](int t) {
+      const int s = min(chunk + t, end - 1);
+      return __ldcg(reinterpret_cast<const Dims*>(v_head + static_cast<size_t>(s) * HEAD_DIM + lane * per_lane));
+    };
     const int slot = chunk + lane;
+    // Past `end`, the last slot's values, which a weight of 0 leaves out.
+    Dims dims[32];
+#pragma unroll
+    for (int t = 0; t < at_once; ++t) {
+      dims[t] = load_dims(t);
+    }
     float score = negative_infinity();
     if (slot < end) {
       const uint4* k = reinterpret_cast<const uint4*>(k_head + static_cast<size_t>(slot) * HEAD_DIM);
@@ -414,13 +437,17 @@ __device__ void attention_run(const float* q, const C* k_head, const C* v_head, 
     }
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
-      const float p_t = __shfl_sync(0xffffffff, p, t);
-      if (chunk + t < end) {
-        const C* v = v_head + static_cast<size_t>(chunk + t) * HEAD_DIM + lane * per_lane;
+      if (t % at_once == 0 && t > 0) {
 #pragma unroll
-        for (int j = 0; j < per_lane; ++j) {
-          acc[j] += p_t * load_fresh(v + j);
+        for (int u = t; u < t + at_once; ++u) {
+          dims[u] = load_dims(u);
         }
+      }
+      const float p_t = __shfl_sync(0xffffffff, p, t);
+      const C* v = reinterpret_cast<const C*>(&dims[t]);
+#pragma unroll
+      for (int j = 0; j < per_lane; ++j) {
+        acc[j] += p_t * static_cast<float>(v[j]);
       }
     }
     running_max = new_max;
@@ -469,18 +496,20 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 }
 
 // One layer of one sequence's decode step, y = the layer's output for input x (both float32):
-//   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pairs);
+//   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pair);
 //   2. attention, a warp for each head and run of slots; the last warp done with a head combines its runs;
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
-// q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn, h, gate and up hold what one step hands the next.
+// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn,
+// h, gate and up (float32 each). It and `sync` are inputs that the kernel writes: cuda_step.py
+// allocates them once for all layers, since every output costs MLX an allocation a launch.
 // `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head, its
 // runs done so far (made zero again by the warp that combines them); all zero when first used.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
-          int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B, typename C, typename O>
+          int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B, typename C>
 __device__ void layer_kernel(const float* x, const N* attn_norm, const float* eps, const uint32_t* w_q, const S* s_q,
                              const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
                              const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
@@ -489,7 +518,13 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
                              const S* b_o, const N* ffn_norm, const uint32_t* w_gate, const S* s_gate,
                              const S* b_gate, const uint32_t* w_up, const S* s_up, const S* b_up,
                              const uint32_t* w_down, const S* s_down, const S* b_down, const uint32_t* sync,
-                             float* y, O* q, float* partials, float* attn, float* h, float* gate, float* up) {
+                             const float* scratch, float* y) {
+  float* q = const_cast<float*>(scratch);
+  float* partials = q + HEADS * HEAD_DIM;
+  float* attn = partials + HEADS * MAX_RUNS * (HEAD_DIM + 2);
+  float* h = attn + HEADS * HEAD_DIM;
+  float* gate = h + HIDDEN;
+  float* up = gate + FFN;
   float* smem = shared_floats();
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
   unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
@@ -497,9 +532,9 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
 
   stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);
   for (int pair = warp; pair < (HEADS + 2 * KV_HEADS) * HEAD_DIM / 2; pair += warps) {
-    qkv_rope_pairs<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
-                   TRADITIONAL, HIDDEN, 1>(pair, smem, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q, bias_k,
-                                           bias_v, position, inv_freq, attn_factor, keys, values, capacity, q);
+    qkv_rope_pair<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
+                  TRADITIONAL, HIDDEN>(pair, smem, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q, bias_k,
+                                       bias_v, position, inv_freq, attn_factor, keys, values, capacity, q);
   }
   grid_barrier(arrivals);
 
