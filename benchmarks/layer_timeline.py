@@ -1,0 +1,107 @@
+"""Where a layer_kernel launch's time goes (CUDA only): when the blocks reach and leave each grid barrier.
+
+    python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199]
+
+Builds the model's kernel step (cuda_step.py) from a copy of decode_step.cu in which thread 0 of
+every block writes the GPU's global timer (ns) into an extra output at the kernel's start, on
+reaching and on leaving each of the four grid barriers, and at the end. It decodes up to the
+last of --positions and at each prints, as medians over the layers, in µs from the first
+block's start: each step's start (the last block's departure from the barrier before it), its
+first and last block's arrival at the barrier after it; and the gap between layer launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+import numpy as np
+
+from mlxllama import cuda_step, load
+from mlxllama.cache import make_cache
+
+STAMPS = 10  # start, 4 barriers x (arrival, departure), end
+STEPS = ["1 norm + Q/K/V + RoPE", "2 attention", "3 output projection", "4 norm + gate/up", "5 SiLU + down"]
+
+
+def timed_header(header: str) -> str:
+    stamp = ("__device__ inline void stamp(unsigned long long* times, int i) {\n"
+             "if (threadIdx.x == 0) { unsigned long long t;\n"
+             'asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); times[blockIdx.x * 16 + i] = t; }\n}\n')
+    signature = "const float* scratch, float* y) {"
+    anchor = header.index("__device__ inline void grid_barrier(")
+    head, body = (header[:anchor] + stamp + header[anchor:]).split(signature)
+    assert body.count("grid_barrier(arrivals);") == 4
+    for i in range(4):
+        body = body.replace("grid_barrier(arrivals);",
+                            f"__syncthreads(); stamp(times, {2 * i + 1}); grid_barrier(times_arrivals); "
+                            f"stamp(times, {2 * i + 2});", 1)
+    body = body.replace("grid_barrier(times_arrivals);", "grid_barrier(arrivals);")
+    body = body.replace("float* smem = shared_floats();", "stamp(times, 0);\nfloat* smem = shared_floats();", 1)
+    end = body.rindex("}")
+    body = body[:end] + "__syncthreads(); stamp(times, 9);\n" + body[end:]
+    return head + signature.replace(") {", ", unsigned long long* times) {") + body
+
+
+def instrument(blocks: int, timestamps: list[mx.array]) -> None:
+    """Every layer launch from now on also returns its timestamps [blocks * 16] into `timestamps`."""
+    cuda_step._HEADER = timed_header(cuda_step._HEADER)
+    make_kernel = cuda_step._kernel
+
+    def kernel(name, inputs, outputs, call, shared):
+        if name != "layer":
+            return make_kernel(name, inputs, outputs, call, shared)
+        launch = make_kernel(name, inputs, outputs + ("times",), call.replace("scratch, y);", "scratch, y, times);"),
+                             shared)
+
+        def timed(**kwargs):
+            kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * 16,)]
+            kwargs["output_dtypes"] = kwargs["output_dtypes"] + [mx.uint64]
+            out = launch(**kwargs)
+            timestamps.append(out[-1])
+            return out
+
+        return timed
+
+    cuda_step._kernel = kernel
+
+
+def report(position: int, timestamps: list[mx.array]) -> None:
+    t = np.stack([np.array(a).reshape(-1, 16)[:, :STAMPS].astype(np.int64) for a in timestamps])  # layer, block, stamp
+    t = (t - t[:, :, :1].min(axis=1, keepdims=True)) / 1000.0
+    first, last = (lambda i: np.median(t[:, :, i].min(axis=1))), (lambda i: np.median(t[:, :, i].max(axis=1)))
+    print(f"position {position}: a layer {last(9):.1f} µs")
+    for s, name in enumerate(STEPS):
+        start = last(2 * s) if s else 0.0
+        print(f"  {name:24s} starts {start:5.1f}  first block done {first(2 * s + 1):5.1f}  "
+              f"last block done {last(2 * s + 1):5.1f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--positions", default="10,100,199")
+    args = parser.parse_args()
+    positions = [int(p) for p in args.positions.split(",")]
+    timestamps: list[mx.array] = []
+    blocks = cuda_step._multiprocessors()
+    if not blocks or not mx.cuda.is_available():
+        raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
+    instrument(blocks, timestamps)
+    runtime = load(args.model)
+    model = runtime.model
+    model.kernel_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
+    cache = make_cache(runtime.config.n_layers)
+    mx.eval(model.step(mx.array([[1]]), cache))
+    for position in range(1, max(positions) + 1):
+        timestamps.clear()
+        mx.eval(model.step(mx.array([[5]]), cache), timestamps)
+        if position in positions:
+            report(position, timestamps)
+            starts = np.array([np.array(a).reshape(-1, 16)[:, 0].min() for a in timestamps], np.int64)
+            ends = np.array([np.array(a).reshape(-1, 16)[:, 9].max() for a in timestamps], np.int64)
+            print(f"  gap between layer launches: median {np.median(starts[1:] - ends[:-1]) / 1000:.2f} µs")
+
+
+if __name__ == "__main__":
+    main()
