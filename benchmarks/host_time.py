@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from mlxllama import load
 from mlxllama.cache import make_cache
+from mlxllama.errors import MlxLlamaError
 
 
 def run(runtime, first_token: int, tokens: int) -> tuple[float, float, float]:
@@ -57,4 +58,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MlxLlamaError as error:
+        raise SystemExit(f"host_time.py: {error}")

@@ -19,6 +19,7 @@ import numpy as np
 
 from mlxllama import cuda_step, load
 from mlxllama.cache import make_cache
+from mlxllama.errors import MlxLlamaError
 
 STAMPS = 10  # start, 4 barriers x (arrival, departure), end
 STEPS = ["1 norm + Q/K/V + RoPE", "2 attention", "3 output projection", "4 norm + gate/up", "5 SiLU + down"]
@@ -104,4 +105,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MlxLlamaError as error:
+        raise SystemExit(f"layer_timeline.py: {error}")
