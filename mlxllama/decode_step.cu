@@ -73,15 +73,26 @@ __device__ void stage_group_sums(float* smem) {
   __syncthreads();
 }
 
-// The input x (times 1 / rms(x) * norm_w when NORM), read from L2 (load_fresh).
+// This thread's values of src [K] (k = threadIdx.x + i * NT; 0 past K), read from L2
+// (load_fresh): unrolled, so all the loads are issued before the first is used.
+template <int K, int NT, typename T>
+__device__ inline void load_spread(const T* src, float (&out)[(K + NT - 1) / NT]) {
+#pragma unroll
+  for (int i = 0; i < (K + NT - 1) / NT; ++i) {
+    const int k = threadIdx.x + i * NT;
+    out[i] = k < K ? load_fresh(src + k) : 0.0f;
+  }
+}
+
+// The input x (times 1 / rms(x) * norm_w when NORM), read from L2.
 template <bool NORM, int K, int NT = THREADS, typename T, typename N>
 __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem) {
   constexpr int per_thread = (K + NT - 1) / NT;
   float v[per_thread], w[per_thread];
+  load_spread<K, NT>(x, v);
 #pragma unroll
   for (int i = 0; i < per_thread; ++i) {
     const int k = threadIdx.x + i * NT;
-    v[i] = k < K ? load_fresh(x + k) : 0.0f;
     w[i] = NORM && k < K ? static_cast<float>(norm_w[k]) : 1.0f;
   }
   if (NORM) {
@@ -117,18 +128,13 @@ __device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem)
   stage_group_sums<K, NT>(smem);
 }
 
-// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2: every load is
-// issued before the first is used, as in stage_input.
+// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2.
 template <int K, int NT>
 __device__ void stage_swiglu(const float* gate, const float* up, float* smem) {
   constexpr int per_thread = (K + NT - 1) / NT;
   float g[per_thread], u[per_thread];
-#pragma unroll
-  for (int i = 0; i < per_thread; ++i) {
-    const int k = threadIdx.x + i * NT;
-    g[i] = k < K ? __ldcg(gate + k) : 0.0f;
-    u[i] = k < K ? __ldcg(up + k) : 0.0f;
-  }
+  load_spread<K, NT>(gate, g);
+  load_spread<K, NT>(up, u);
 #pragma unroll
   for (int i = 0; i < per_thread; ++i) {
     const int k = threadIdx.x + i * NT;
@@ -275,13 +281,12 @@ __device__ void head_kernel(const T* x, const N* norm_w, const float* eps, const
 // new key and value are written into the cache buffers keys/values [KV_HEADS, capacity, HEAD_DIM]
 // at `position`, in place (cuda_step.py says why).
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
-          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C,
-          typename O>
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C>
 __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
                               const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
                               const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
                               const int32_t* position, const float* inv_freq, const float* attn_factor,
-                              const C* keys, const C* values, int capacity, O* q) {
+                              const C* keys, const C* values, int capacity, float* q) {
   constexpr int half = HEAD_DIM / 2;
   constexpr int q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
   const int part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
@@ -325,8 +330,8 @@ __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, 
     y[0] = a, y[1] = b;
   }
   if (part == 0) {
-    q[rows[0]] = static_cast<O>(y[0]);
-    q[rows[1]] = static_cast<O>(y[1]);
+    q[rows[0]] = y[0];
+    q[rows[1]] = y[1];
   } else {
     C* cache = const_cast<C*>(part == 1 ? keys : values);
     const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
