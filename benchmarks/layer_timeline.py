@@ -49,9 +49,9 @@ def instrument(blocks: int, timestamps: list[mx.array]) -> None:
     cuda_step._HEADER = timed_header(cuda_step._HEADER)
     make_kernel = cuda_step._kernel
 
-    def kernel(name, inputs, outputs, call, shared):
+    def kernel(name, inputs, outputs, call, shared, **options):
         if name != "layer":
-            return make_kernel(name, inputs, outputs, call, shared)
+            return make_kernel(name, inputs, outputs, call, shared, **options)
         launch = make_kernel(name, inputs, outputs + ("times",), call.replace("scratch, y);", "scratch, y, times);"),
                              shared)
 
@@ -85,10 +85,10 @@ def main():
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     timestamps: list[mx.array] = []
-    blocks = cuda_step._multiprocessors()
-    if not blocks or not mx.cuda.is_available():
+    limits = cuda_step._device_limits()
+    if not limits or not mx.cuda.is_available():
         raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
-    instrument(blocks, timestamps)
+    instrument(limits[0], timestamps)
     runtime = load(args.model)
     model = runtime.model
     model.kernel_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop

@@ -7,7 +7,10 @@ a single forward pass: each row has its own RoPE position, its own cache length 
 hides the slots past that length. A row keeps position p in slot p, as a lone sequence does, so
 a row's logits are bit-identical to its one-at-a-time logits: on the CPU backend, matmuls and
 attention give each row the same result whatever the batch around it, and masked slots add
-exact zeros (tests/test_batch.py checks the logits bit for bit, and the greedy ids). A finished
+exact zeros (tests/test_batch.py checks the logits bit for bit, and the greedy ids). On MLX's
+CUDA backend the step goes through the batched kernel (cuda_step.py) instead, whose float16
+tensor-core products round each row's inputs differently from one sequence's kernel: there a
+row's logits match its one-at-a-time logits within tests/test_cuda_step.py's tolerance. A finished
 row leaves the batch at once, and a waiting prompt takes its place. Each row has its own
 sampler, seeded from its own settings, so a row's output with a seed does not depend on the
 batch it runs in.
@@ -114,8 +117,8 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
                 layer.add(row_layer)
             rows.append(row)
         if rows:
-            logits = model(mx.array([[row.ids[-1]] for row in rows]), cache)
-            tokens = mx.stack([row.sampler(logits[i, -1], row.context) for i, row in enumerate(rows)]).tolist()
+            logits = model.step(mx.array([[row.ids[-1]] for row in rows]), cache)
+            tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(rows)]).tolist()
             done = [row.accept(token) for row, token in zip(rows, tokens)]
             if any(done):
                 finished += [row for row, d in zip(rows, done) if d]

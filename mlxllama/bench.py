@@ -94,9 +94,12 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
     cache = make_cache(runtime.config.n_layers)
     token = mx.argmax(model(mx.array(random_ids(runtime, batch, 1, seed)), cache)[:, -1:], axis=-1)
     mx.eval(token)
-    # One sequence decodes as generate does (the compiled step); several as batch does, uncompiled:
-    # on an H100 the compiled step was 15% slower at 16 sequences (docs/benchmarks.md).
-    step = model.step if batch == 1 else (lambda tokens, kv: model(tokens, kv)[:, -1])
+    # Through the CUDA kernels (cuda_step.py) where they take this many sequences, as generate and
+    # batch decode then; else one sequence through the compiled step and several uncompiled, as
+    # batch decodes them without kernels: on an H100 the compiled step was 15% slower at 16
+    # sequences (docs/benchmarks.md).
+    kernels = model.kernel_step is not None and model.kernel_step.takes(batch)
+    step = model.step if batch == 1 or kernels else (lambda tokens, kv: model(tokens, kv)[:, -1])
     start = time.perf_counter()
     for _ in range(n_gen):
         next_token = mx.argmax(step(token, cache), axis=-1)[:, None]

@@ -46,10 +46,14 @@ class KVCache:
             grown_v[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = grown_k, grown_v
 
-    def reserve(self, slots: int) -> None:
-        """Make the buffers (already allocated) hold at least `slots` positions."""
-        if slots > self.keys.shape[2]:
-            self._grow(self.keys, self.values, slots - self.offset)
+    def make_room(self, new: int) -> None:
+        """Make the buffers (already allocated) hold `new` more positions, for a step that writes
+        them in place (model.Transformer.step) and then calls advance."""
+        if self.offset + new > self.keys.shape[2]:
+            self._grow(self.keys, self.values, new)
+
+    def advance(self, new: int) -> None:
+        self.offset += new
 
     def trim(self, n: int) -> None:
         """Forget the last n positions (the storage is kept and overwritten later)."""
@@ -122,7 +126,7 @@ class BatchKVCache:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
-        self._reserve(end)
+        self.make_room(new)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slots, values, axis=2)
@@ -148,6 +152,14 @@ class BatchKVCache:
         index = mx.array(rows, mx.int32)
         self.keys, self.values = self.keys[index], self.values[index]
         self.lengths, self._offset = [self.lengths[r] for r in rows], None
+
+    def make_room(self, new: int) -> None:
+        """Make the buffers hold `new` more positions after the longest row (as KVCache.make_room)."""
+        self._reserve(max(self.lengths) + new)
+
+    def advance(self, new: int) -> None:
+        """Every row took `new` more positions, written in place (model.Transformer.step)."""
+        self.lengths, self._offset = [n + new for n in self.lengths], None
 
     def _reserve(self, slots: int) -> None:
         capacity = self.keys.shape[2]

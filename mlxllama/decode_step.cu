@@ -274,12 +274,60 @@ __device__ void head_kernel(const T* x, const N* norm_w, const float* eps, const
   }
 }
 
-// Step 1 of layer_kernel for one warp: pair `pair` of rows of Q, K or V times the staged
-// normalized input (plus their biases when BIAS), RoPE on Q's and K's. A pair is two rows that
-// RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or ROPE_DIM / 2
-// apart (NeoX); a head's dims past ROPE_DIM stay as they are. Q goes to q [HEADS * HEAD_DIM]; the
-// new key and value are written into the cache buffers keys/values [KV_HEADS, capacity, HEAD_DIM]
-// at `position`, in place (cuda_step.py says why).
+// The dims of pair i of a head (HEAD_DIM / 2 pairs) and whether RoPE turns them. A pair is two
+// rows that RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or
+// ROPE_DIM / 2 apart (NeoX); a head's dims past ROPE_DIM, and all of V's (rope false), stay as they are.
+template <int ROPE_DIM, bool TRADITIONAL>
+__device__ inline bool pair_dims(int i, bool rope, int& d0, int& d1) {
+  d0 = 2 * i, d1 = 2 * i + 1;
+  if (!rope) {
+    return false;
+  }
+  if (TRADITIONAL) {
+    return d0 < ROPE_DIM;
+  }
+  if (i < ROPE_DIM / 2) {
+    d0 = i, d1 = i + ROPE_DIM / 2;
+    return true;
+  }
+  d0 = ROPE_DIM + 2 * (i - ROPE_DIM / 2), d1 = d0 + 1;
+  return false;
+}
+
+// Pair i (dims d0, d1) of `head` of Q, K or V (part 0, 1, 2) made final from its products y0, y1:
+// plus the rows' biases (BIAS), turned by RoPE at position `pos` (rotate). Q's go to q
+// [HEADS * HEAD_DIM]; K's and V's into slot `pos` of the cache buffers keys/values
+// [KV_HEADS][capacity][HEAD_DIM] of one sequence, in place (cuda_step.py says why).
+template <bool BIAS, int HEAD_DIM, typename B, typename C>
+__device__ inline void store_pair(int part, int head, int i, int d0, int d1, bool rotate, float y0, float y1, int pos,
+                                  const B* bias_q, const B* bias_k, const B* bias_v, const float* inv_freq,
+                                  const float* attn_factor, float* q, const C* keys, const C* values, int capacity) {
+  if (BIAS) {
+    const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
+    y0 += static_cast<float>(bias[head * HEAD_DIM + d0]);
+    y1 += static_cast<float>(bias[head * HEAD_DIM + d1]);
+  }
+  if (rotate) {
+    float sin_t, cos_t;
+    sincosf(static_cast<float>(pos) * inv_freq[i], &sin_t, &cos_t);
+    cos_t *= attn_factor[0];
+    sin_t *= attn_factor[0];
+    const float a = y0 * cos_t - y1 * sin_t, b = y0 * sin_t + y1 * cos_t;
+    y0 = a, y1 = b;
+  }
+  if (part == 0) {
+    q[head * HEAD_DIM + d0] = y0;
+    q[head * HEAD_DIM + d1] = y1;
+  } else {
+    C* cache = const_cast<C*>(part == 1 ? keys : values);
+    const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
+    cache[slot + d0] = static_cast<C>(y0);
+    cache[slot + d1] = static_cast<C>(y1);
+  }
+}
+
+// Step 1 of layer_kernel for one warp: pair `pair` of rows of Q, K or V (pairs of Q's heads, then
+// K's, then V's) times the staged normalized input, made final by store_pair.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C>
 __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
@@ -292,17 +340,8 @@ __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, 
   const int part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
   const int part_pair = pair - (part == 0 ? 0 : (part == 1 ? q_pairs : q_pairs + kv_pairs));
   const int head = part_pair / half, i = part_pair % half;
-  int d0 = 2 * i, d1 = 2 * i + 1;
-  bool rotate = false;
-  if (part < 2) {
-    if (TRADITIONAL) {
-      rotate = d0 < ROPE_DIM;
-    } else if (i < ROPE_DIM / 2) {
-      d0 = i, d1 = i + ROPE_DIM / 2, rotate = true;
-    } else {
-      d0 = ROPE_DIM + 2 * (i - ROPE_DIM / 2), d1 = d0 + 1;
-    }
-  }
+  int d0, d1;
+  const bool rotate = pair_dims<ROPE_DIM, TRADITIONAL>(i, part < 2, d0, d1);
   const int rows[2] = {head * HEAD_DIM + d0, head * HEAD_DIM + d1};
   float y[2];
   if (part == 0) {
@@ -312,31 +351,9 @@ __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, 
   } else {
     rows_dot<V_BITS, V_BIASES, K, 2>(w_v, s_v, b_v, rows, smem, y);
   }
-  if (threadIdx.x % 32 != 0) {
-    return;
-  }
-  const int pos = position[0];
-  if (BIAS) {
-    const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
-    y[0] += static_cast<float>(bias[rows[0]]);
-    y[1] += static_cast<float>(bias[rows[1]]);
-  }
-  if (rotate) {
-    float sin_t, cos_t;
-    sincosf(static_cast<float>(pos) * inv_freq[i], &sin_t, &cos_t);
-    cos_t *= attn_factor[0];
-    sin_t *= attn_factor[0];
-    const float a = y[0] * cos_t - y[1] * sin_t, b = y[0] * sin_t + y[1] * cos_t;
-    y[0] = a, y[1] = b;
-  }
-  if (part == 0) {
-    q[rows[0]] = y[0];
-    q[rows[1]] = y[1];
-  } else {
-    C* cache = const_cast<C*>(part == 1 ? keys : values);
-    const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
-    cache[slot + d0] = static_cast<C>(y[0]);
-    cache[slot + d1] = static_cast<C>(y[1]);
+  if (threadIdx.x % 32 == 0) {
+    store_pair<BIAS, HEAD_DIM>(part, head, i, d0, d1, rotate, y[0], y[1], position[0], bias_q, bias_k, bias_v,
+                               inv_freq, attn_factor, q, keys, values, capacity);
   }
 }
 
@@ -500,6 +517,51 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
   }
 }
 
+// Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
+// positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its cache in
+// keys/values [seqs][KV_HEADS][capacity][HEAD_DIM] (the new slot written). Each head's slots are
+// cut into runs of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp
+// takes a (sequence, head, run) item, and the last warp done with a head combines its runs into
+// attn [seqs][HEADS * HEAD_DIM]. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a
+// count for each sequence and head, all zero before and after.
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename C>
+__device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
+                                const C* keys, const C* values, int capacity, unsigned int* runs_done, float* smem) {
+  const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
+  float* q_scaled = smem + threadIdx.x / 32 * HEAD_DIM;
+  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
+  for (int item = warp; item < seqs * HEADS * MAX_RUNS; item += warps) {
+    const int r = item / (seqs * HEADS), seq = item % (seqs * HEADS) / HEADS, head = item % HEADS;
+    const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
+    const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
+    if (r >= runs) {
+      continue;
+    }
+    const int kv_head = head / (HEADS / KV_HEADS), seq_head = seq * HEADS + head;
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
+    }
+    __syncwarp();
+    const size_t kv_offset = (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity * HEAD_DIM;
+    float* head_partials = partials + static_cast<size_t>(seq_head) * MAX_RUNS * (HEAD_DIM + 2);
+    attention_run<HEAD_DIM>(q_scaled, keys + kv_offset, values + kv_offset, r * run, min(r * run + run, slots),
+                            head_partials + r * (HEAD_DIM + 2));
+    __threadfence();
+    __syncwarp();
+    unsigned int done = 0;
+    if (lane == 0) {
+      done = atomicAdd(runs_done + seq_head, 1u) + 1;
+    }
+    if (__shfl_sync(0xffffffff, done, 0) == runs) {
+      __threadfence();
+      combine_runs<HEAD_DIM>(head_partials, runs, attn + seq_head * HEAD_DIM);
+      if (lane == 0) {
+        runs_done[seq_head] = 0;
+      }
+    }
+  }
+}
+
 // One layer of one sequence's decode step, y = the layer's output for input x (both float32):
 //   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pair);
 //   2. attention, a warp for each head and run of slots; the last warp done with a head combines its runs;
@@ -543,35 +605,8 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  // Runs of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow.
-  const int slots = position[0] + 1, chunks = (slots + 31) / 32;
-  const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
-  float* q_scaled = smem + threadIdx.x / 32 * HEAD_DIM;
-  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  for (int item = warp; item < HEADS * runs; item += warps) {
-    const int head = item % HEADS, r = item / HEADS, kv_head = head / (HEADS / KV_HEADS);
-    for (int d = lane; d < HEAD_DIM; d += 32) {
-      q_scaled[d] = load_fresh(q + head * HEAD_DIM + d) * scale;
-    }
-    __syncwarp();
-    const size_t kv_offset = static_cast<size_t>(kv_head) * capacity * HEAD_DIM;
-    float* head_partials = partials + static_cast<size_t>(head) * MAX_RUNS * (HEAD_DIM + 2);
-    attention_run<HEAD_DIM>(q_scaled, keys + kv_offset, values + kv_offset, r * run, min(r * run + run, slots),
-                            head_partials + r * (HEAD_DIM + 2));
-    __threadfence();
-    __syncwarp();
-    unsigned int done = 0;
-    if (lane == 0) {
-      done = atomicAdd(runs_done + head, 1u) + 1;
-    }
-    if (__shfl_sync(0xffffffff, done, 0) == runs) {
-      __threadfence();
-      combine_runs<HEAD_DIM>(head_partials, runs, attn + head * HEAD_DIM);
-      if (lane == 0) {
-        runs_done[head] = 0;
-      }
-    }
-  }
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, keys, values, capacity,
+                                                       runs_done, smem);
   grid_barrier(arrivals);
 
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);

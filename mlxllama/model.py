@@ -98,7 +98,7 @@ class Transformer(nn.Module):
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._compiled_step = None
-        # A faster step for one token of one sequence where the device has one (runtime.load sets it: cuda_step.py).
+        # A faster step for one token of each sequence where the device has one (runtime.load sets it: cuda_step.py).
         self.kernel_step = None
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
@@ -116,23 +116,28 @@ class Transformer(nn.Module):
             h = block(h, mask, cache[i] if cache else None)
         return h
 
-    def step(self, tokens: mx.array, cache: list[KVCache]) -> mx.array:
+    def step(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab] (float32).
 
         The same as `self(tokens, cache)[:, -1]`, but compiled: the step reads and writes the
         cache's whole fixed-size buffers (cache.SlotCache), so its shapes stay the same from token
         to token and one traced graph, with its element-wise operations fused, serves every step
-        until the buffers grow (every cache.GROWTH_STEP positions). One token of one sequence goes
-        through `kernel_step` instead where runtime.load set one (cuda_step.py).
+        until the buffers grow (every cache.GROWTH_STEP positions). Where runtime.load set a
+        `kernel_step` (cuda_step.py) that takes this many sequences, the step goes through it
+        instead; a BatchKVCache (rows of different lengths, batch.py) otherwise goes through
+        `self(tokens, cache)`.
         """
         if cache[0].keys is None:
             return self(tokens, cache)[:, -1]
+        kernels = self.kernel_step is not None and tokens.shape[1] == 1 and self.kernel_step.takes(tokens.shape[0])
+        if isinstance(cache[0], BatchKVCache) and not kernels:
+            return self(tokens, cache)[:, -1]
         for layer in cache:
-            layer.reserve(layer.offset + tokens.shape[1])
-        if self.kernel_step is not None and tokens.shape == (1, 1):
+            layer.make_room(tokens.shape[1])
+        if kernels:
             logits = self.kernel_step(tokens, cache)
             for layer in cache:
-                layer.offset += 1
+                layer.advance(1)
             return logits
         if self._compiled_step is None:
             self._compiled_step = _compiled_step(self)
@@ -140,7 +145,7 @@ class Transformer(nn.Module):
         logits, *buffers = self._compiled_step(tokens, mx.array(cache[0].offset), *buffers)
         for i, layer in enumerate(cache):
             layer.keys, layer.values = buffers[2 * i], buffers[2 * i + 1]
-            layer.offset += tokens.shape[1]
+            layer.advance(tokens.shape[1])
         return logits
 
     def _step(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> list[mx.array]:

@@ -78,6 +78,27 @@ def test_batched_step_logits_are_bit_identical(runtime, prompts):
         tokens = [int(mx.argmax(logits)) for logits in alone]
 
 
+def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
+    """model.step on a BatchKVCache (as batch decoding calls it) gives the forward pass's logits and
+    moves every row on by exactly one position."""
+    model, layers = runtime.model, runtime.config.n_layers
+    stepped, forward = make_batch_cache(layers), make_batch_cache(layers)
+    tokens = []
+    for ids in prompts[:3]:
+        single = make_cache(layers)
+        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
+        for a, b, row in zip(stepped, forward, single):
+            a.add(row)
+            b.add(row)
+    lengths = list(stepped[0].lengths)
+    for step in range(1, 3):
+        got = model.step(mx.array(tokens), stepped)
+        want = model(mx.array(tokens), forward)[:, -1]
+        assert np.array_equal(np.array(got), np.array(want))
+        assert all(layer.lengths == [n + step for n in lengths] for layer in stepped)
+        tokens = [[int(t)] for t in mx.argmax(want, axis=-1).tolist()]
+
+
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, batch_size):
     requests = [Request(ids, n) for ids, n in zip(prompts, MAX_TOKENS)]

@@ -7,6 +7,8 @@ test_generation.py go through the kernels too when they run on CUDA.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -14,7 +16,8 @@ import pytest
 
 import mlxllama
 from mlxllama import cuda_step
-from mlxllama.cache import make_cache
+from mlxllama.cache import make_batch_cache, make_cache
+from mlxllama.generate import prefill
 from mlxllama.quants import to_affine
 
 from conftest import find_fixture_model
@@ -83,11 +86,85 @@ def assert_steps_match(model, kernel_step, ids: list[int]):
             np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
 
 
+# Models for the batched kernel: 4-bit with stored biases and Q6_K layers (8-bit, none stored),
+# 5-bit (the generic unpacking), NeoX RoPE with Q/K/V biases and a tied head, head dims 32 and 64;
+# row counts that fill one tile of 8 sequences, part of one, and part of two.
+BATCHED = [("chat-tiny-Q4_K_M.gguf", 3), ("chat-tiny-Q4_K_M.gguf", 16), ("phi3-tiny-Q5_K_M.gguf", 8),
+           ("qwen2-tiny-Q8_0.gguf", 11)]
+
+
+@on_cuda
+@pytest.mark.parametrize("name,rows", BATCHED)
+def test_batched_kernel_step_matches_the_plain_forward(name, rows):
+    """Rows of different lengths (a BatchKVCache, as batch decoding has them, one row past 64
+    slots) through the batched kernel and through the plain forward pass, side by side."""
+    runtime = mlxllama.load(find_fixture_model(name))
+    model, kernel_step = runtime.model, runtime.model.kernel_step
+    assert kernel_step.takes(rows)
+    rng = np.random.default_rng(rows)
+    prompts = [rng.integers(3, runtime.config.vocab_size, 3 + 5 * i + (70 if i == 1 else 0)).tolist()
+               for i in range(rows)]
+    caches = make_batch_cache(runtime.config.n_layers), make_batch_cache(runtime.config.n_layers)
+    tokens = []
+    for ids in prompts:
+        single = make_cache(runtime.config.n_layers)
+        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
+        for a, b, row in zip(*caches, single):
+            a.add(row)
+            b.add(row)
+    kls = []
+    for step in range(STEPS):
+        model.kernel_step = kernel_step
+        got = np.array(model.step(mx.array(tokens), caches[0]))
+        model.kernel_step = None
+        want = np.array(model.step(mx.array(tokens), caches[1]))
+        assert caches[0][0].lengths == caches[1][0].lengths == [len(p) + step + 1 for p in prompts]
+        for row in range(rows):
+            p, q = softmax(want[row].astype(np.float64)), softmax(got[row].astype(np.float64))
+            kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
+            assert np.argmax(got[row]) == np.argmax(want[row]) or np.max(want[row]) - want[row, np.argmax(got[row])] < 0.05
+        tokens = [[int(t)] for t in np.argmax(want, axis=-1)]
+    assert np.mean(kls) < MAX_KL, kls
+    for layer_a, layer_b in zip(*caches):
+        for row, length in enumerate(layer_a.lengths):
+            for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
+                a, b = np.array(a[row, :, :length], np.float32), np.array(b[row, :, :length], np.float32)
+                np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
+
+
+@on_cuda
+def test_batch_of_equal_rows_through_the_kernels_and_alone():
+    """A KVCache of 9 identical rows (as bench decodes them) gives each row the one-sequence kernel's logits."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    model, layers = runtime.model, runtime.config.n_layers
+    batched, alone = make_cache(layers), make_cache(layers)
+    model(mx.array([PROMPT] * 9), batched)
+    model(mx.array([PROMPT]), alone)
+    token = PROMPT[-1]
+    for step in range(STEPS):
+        got = np.array(model.step(mx.array([[token]] * 9), batched))
+        want = np.array(model.step(mx.array([[token]]), alone))[0]
+        assert batched[0].offset == alone[0].offset == len(PROMPT) + step + 1
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=0.05 * np.abs(want).max())
+        token = int(np.argmax(want))
+
+
 @on_cuda
 def test_kernel_step_is_off_for_dequantized_models():
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
     assert runtime.model.kernel_step is None
 
+
+
+def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_memory():
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    h100 = cuda_step.KernelStep(runtime.model, blocks=132, shared_bytes=232448)
+    assert h100.takes(1) and h100.takes(2) and h100.takes(16) and not h100.takes(17)
+    small = cuda_step.KernelStep(runtime.model, blocks=132, shared_bytes=48 * 1024)
+    assert small.takes(1) and not small.takes(2)
+    # 16 rows of TinyLlama-1.1B's shapes: the down projection's 5632 inputs each, in float16 (~209 KB).
+    tinyllama = replace(runtime.config, hidden_size=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_size=5632)
+    assert 200_000 < 4 * cuda_step._batch_shared_floats(tinyllama, 2) <= 232448
 
 
 def test_kernel_step_is_off_without_cuda():
