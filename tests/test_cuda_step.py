@@ -16,8 +16,10 @@ import pytest
 
 import mlxllama
 from mlxllama import cuda_step
+from mlxllama.batch import Request, batch_generate
 from mlxllama.cache import make_batch_cache, make_cache
 from mlxllama.generate import prefill
+from mlxllama.prompt import Template, build_prompt, messages_for
 from mlxllama.quants import to_affine
 
 from conftest import find_fixture_model
@@ -147,6 +149,36 @@ def test_batch_of_equal_rows_through_the_kernels_and_alone():
         assert batched[0].offset == alone[0].offset == len(PROMPT) + step + 1
         np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=0.05 * np.abs(want).max())
         token = int(np.argmax(want))
+
+
+@on_cuda
+def test_batch_generate_through_the_kernels_as_rows_finish():
+    """batch_generate on CUDA: 10 rows (two tiles of 8 sequences), then fewer as rows finish, down
+    to one (the one-sequence kernel on a BatchKVCache row); each row's greedy ids are those of the
+    prompt decoded alone."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    # The file's template as is: the GPU scripts run the tests from a checkout, without the built-in templates' package.
+    template = Template("gguf", runtime.chat_template)
+    questions = ["What is the capital of Japan?", "What is 17 plus 25?", "What is the capital of France?",
+                 "What color is the sky?", "Name a fruit.", "What is 3 times 4?"]
+    prompts = [build_prompt(runtime.tokenizer, template, messages_for(q)).ids for q in questions]
+    prompts += [runtime.tokenize(t) for t in ["The capital of Italy is", "Once upon a time", "1, 2, 3, 4,", "Hello"]]
+    max_tokens = [16, 12, 3, 20, 9, 5, 7, 14, 2, 24]
+    alone = [runtime.generate(ids, max_tokens=n).token_ids for ids, n in zip(prompts, max_tokens)]
+    kernel_step, rows_seen = runtime.model.kernel_step, set()
+
+    class CountingStep:
+        takes = kernel_step.takes
+
+        def __call__(self, tokens, cache):
+            rows_seen.add(tokens.shape[0])
+            return kernel_step(tokens, cache)
+
+    runtime.model.kernel_step = CountingStep()
+    batched = batch_generate(runtime, [Request(ids, n) for ids, n in zip(prompts, max_tokens)], batch_size=10)
+    assert [r.token_ids for r in batched] == alone
+    assert batched[0].text == "The capital of Japan is Tokyo."
+    assert {10, 1} <= rows_seen and any(1 < n < 9 for n in rows_seen)
 
 
 @on_cuda
