@@ -13,8 +13,8 @@ log waiting for the llama.cpp build
 while [ ! -f /tmp/gpu/llama-build.done ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
 tail -2 /tmp/gpu/build.log
 
-# native: one sequence decodes through cuda_step.py's kernels; plain: the same model through the
-# plain (compiled MLX) step; dequantize: every weight float16.
+# native: decoding (1, 8 and 16 sequences) goes through cuda_step.py's kernels; plain: the same
+# model through the plain MLX step; dequantize: every weight float16.
 for mode in native plain dequantize; do
     log mlxllama bench $mode
     flag=$([ $mode = dequantize ] && echo --dequantize)

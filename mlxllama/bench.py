@@ -44,7 +44,7 @@ class TestResult:
 @dataclass
 class BenchReport:
     model: str
-    mode: str  # native, native+kernels (one sequence decodes through cuda_step.py) or dequantize
+    mode: str  # native, native+kernels (decoding goes through cuda_step.py's kernels) or dequantize
     device: str
     file_bytes: int
     tensor_bytes: int

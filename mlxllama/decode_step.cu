@@ -1,5 +1,6 @@
 // Kernels of cuda_step.py: one decode step of one sequence, one launch a layer (layer_kernel)
-// and one for the output head (head_kernel).
+// and one for the output head (head_kernel). decode_batch.cu, which follows this file in its
+// kernels' header, decodes several sequences with the helpers here.
 //
 // Included as the header of MLX custom kernels (mx.fast.cuda_kernel), whose generated bodies are
 // one call each to a *_kernel function below; the names in those calls are the kernels' inputs
