@@ -1,4 +1,4 @@
-"""One sequence's decode step as one CUDA kernel a layer, for native-mode models on MLX's CUDA backend.
+"""The decode step as one CUDA kernel a layer, for native-mode models on MLX's CUDA backend.
 
 Why: MLX's CUDA backend spends 5-10 µs of host time on every operation however small
 (benchmarks/op_cost.py), and the plain step (model.Transformer.step) is about 17 operations a
@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import BatchKVCache, KVCache
+from .config import ModelConfig
 from .fusion import FUSED
 from .model import Transformer, rope_periods
 from .quantized_model import NativeLinear
-
 
 
 def _source(name: str) -> str:
@@ -67,7 +67,7 @@ def _batch_stride(k: int) -> int:
     return k + (32 if k % 64 == 0 else 0)
 
 
-def _batch_shared_floats(c, tiles: int) -> int:
+def _batch_shared_floats(c: ModelConfig, tiles: int) -> int:
     """batch_layer_kernel's shared memory for `tiles` * 8 sequences: two matrices' fragments of
     every warp, then the largest staged input (float16 values, float32 group sums) or the attention's queries."""
     seqs = tiles * SEQ_TILE
@@ -172,7 +172,7 @@ class KernelStep:
 
     def takes(self, rows: int) -> bool:
         """Whether this step decodes `rows` sequences at once."""
-        return rows == 1 or (self.batches and 1 <= rows <= MAX_BATCH)
+        return rows == 1 or (self.batches and rows <= MAX_BATCH)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         rows = tokens.shape[0]
