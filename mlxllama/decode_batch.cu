@@ -22,6 +22,12 @@ __host__ __device__ constexpr int batch_stride() {
   return K + (K % 64 == 0 ? 32 : 0);
 }
 
+// stage_batch's group sums of an input of K values, after NT * 8 sequences' staged values.
+template <int K, int NT>
+__device__ inline float* batch_group_sums(const __half* xs) {
+  return reinterpret_cast<float*>(const_cast<__half*>(xs) + NT * SEQ_TILE * batch_stride<K>());
+}
+
 // Float16 bits of two integers below 1024, q0 in the low half: 1024 + q as a float16 has q in its
 // mantissa, and subtracting 1024 is exact.
 __device__ inline uint32_t int_pair(uint32_t with_exponent) {
@@ -87,9 +93,10 @@ __device__ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t
 // each row's values as float16 in blocks of 8 columns, each block the pairs (c0, c4), (c1, c5),
 // (c2, c6), (c3, c7); gsums [NT * 8][K / 32] the sums of each group's staged (rounded) values.
 template <bool NORM, int K, int NT, typename T, typename N>
-__device__ void stage_batch(const T* src, int seqs, const N* norm_w, float eps, __half* xs, float* gsums) {
+__device__ void stage_batch(const T* src, int seqs, const N* norm_w, float eps, __half* xs) {
   static_assert(K % GROUP == 0, "whole groups");
   constexpr int blocks = K / 8, stride = batch_stride<K>();
+  float* gsums = batch_group_sums<K, NT>(xs);
   const int seq = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (seq < NT * SEQ_TILE) {
     const T* row = src + static_cast<size_t>(seq) * K;
@@ -158,11 +165,12 @@ __device__ void stage_batch(const T* src, int seqs, const N* norm_w, float eps, 
 // input sum.
 template <int BITS, bool STORED_BIASES, int K, int NT, typename S>
 __device__ void tile_dot(const uint32_t* w, const S* scales, const S* biases, int row_a, int row_b,
-                         const __half* xs, const float* gsums, float (&acc)[NT][4]) {
+                         const __half* xs, float (&acc)[NT][4]) {
   constexpr int groups = K / GROUP, per_warp = (groups + LAYER_WARPS - 1) / LAYER_WARPS;
   constexpr int BATCH = per_warp < 6 ? per_warp : 6, stride = batch_stride<K>();
   const int lane = threadIdx.x % 32, t = lane % 4, n = lane / 4;
   const int first = threadIdx.x / 32 * per_warp, last = min(first + per_warp, groups);
+  const float* gsums = batch_group_sums<K, NT>(xs);
   const uint32_t* words_a = w + static_cast<size_t>(row_a) * (K / 32 * BITS);
   const uint32_t* words_b = w + static_cast<size_t>(row_b) * (K / 32 * BITS);
 #pragma unroll
@@ -266,6 +274,25 @@ __device__ void for_each_tile(int tiles, const float* red, Multiply multiply, Fi
   }
 }
 
+// out [seqs][ROWS] = residual + the matrix (ROWS x K) times the staged inputs xs (steps 3 and 5
+// of batch_layer_kernel), in tiles of 16 rows. The residual is read from L2: step 5's was written
+// earlier in the same launch.
+template <int BITS, bool STORED_BIASES, int K, int NT, int ROWS, typename S>
+__device__ void residual_tiles(const uint32_t* w, const S* scales, const S* biases, const __half* xs, float* red,
+                               int seqs, const float* residual, float* out) {
+  const int g = threadIdx.x % 32 / 4;
+  for_each_tile<NT, 1>(ROWS / 16, red, [&](int tile) {
+    float acc[NT][4];
+    tile_dot<BITS, STORED_BIASES, K, NT>(w, scales, biases, tile * 16 + g, tile * 16 + g + 8, xs, acc);
+    store_fragments<NT>(acc, red);
+  }, [&](int tile, int tile_row, int seq, const float (&value)[1][2]) {
+    for (int r = 0; r < 2 && seq < seqs; ++r) {
+      const int at = seq * ROWS + tile * 16 + tile_row + 8 * r;
+      out[at] = load_fresh(residual + at) + value[0][r];
+    }
+  });
+}
+
 // One layer of NT * 8 sequences' decode step (the first `seqs` real), y [seqs][HIDDEN] = the
 // layer's output for x [seqs][HIDDEN] (float32), each sequence at its own position. The steps are
 // layer_kernel's; each projection is cut into tiles of 16 rows, one a block at a time, and the
@@ -303,12 +330,11 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   // Shared memory: the warps' fragments (two matrices' worth), then the staged inputs and their group sums.
   float* red = shared_floats();
   __half* xs = reinterpret_cast<__half*>(red + 2 * LAYER_WARPS * 32 * NT * 4);
-  const auto group_sums = [&](int k) { return reinterpret_cast<float*>(xs + SEQS * k); };
-  const int lane = threadIdx.x % 32, g = lane / 4;
+  const int g = threadIdx.x % 32 / 4;
   float acc[NT][4], acc_up[NT][4];
 
   // 1. Q/K/V tiles of 8 pairs each (pairs counted as qkv_rope_pair counts them).
-  stage_batch<true, HIDDEN, NT>(x, seqs, attn_norm, eps[0], xs, group_sums(batch_stride<HIDDEN>()));
+  stage_batch<true, HIDDEN, NT>(x, seqs, attn_norm, eps[0], xs);
   constexpr int half = HEAD_DIM / 2, q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
   const auto part_of = [&](int tile, int& first) {
     const int pair = tile * 8, part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
@@ -319,13 +345,12 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
     int first, d0, d1;
     const int part = part_of(tile, first), head = (first + g) / half;
     pair_dims<ROPE_DIM, TRADITIONAL>((first + g) % half, part < 2, d0, d1);
-    const float* gs = group_sums(batch_stride<HIDDEN>());
     if (part == 0) {
-      tile_dot<Q_BITS, Q_BIASES, HIDDEN, NT>(w_q, s_q, b_q, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, gs, acc);
+      tile_dot<Q_BITS, Q_BIASES, HIDDEN, NT>(w_q, s_q, b_q, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, acc);
     } else if (part == 1) {
-      tile_dot<K_BITS, K_BIASES, HIDDEN, NT>(w_k, s_k, b_k, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, gs, acc);
+      tile_dot<K_BITS, K_BIASES, HIDDEN, NT>(w_k, s_k, b_k, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, acc);
     } else {
-      tile_dot<V_BITS, V_BIASES, HIDDEN, NT>(w_v, s_v, b_v, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, gs, acc);
+      tile_dot<V_BITS, V_BIASES, HIDDEN, NT>(w_v, s_v, b_v, head * HEAD_DIM + d0, head * HEAD_DIM + d1, xs, acc);
     }
     store_fragments<NT>(acc, red);
   }, [&](int tile, int tile_row, int seq, const float (&value)[1][2]) {
@@ -341,31 +366,21 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   });
   grid_barrier(arrivals);
 
+  // 2. Attention, each sequence over its own length.
   attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(seqs, positions, q, partials, attn, keys, values, capacity,
                                                        runs_done, reinterpret_cast<float*>(xs));
   grid_barrier(arrivals);
 
-  // 3. Output projection + residual, tiles of 16 rows.
-  stage_batch<false, Q_DIM, NT>(attn, seqs, attn_norm, 0.0f, xs, group_sums(batch_stride<Q_DIM>()));
-  for_each_tile<NT, 1>(HIDDEN / 16, red, [&](int tile) {
-    tile_dot<O_BITS, O_BIASES, Q_DIM, NT>(w_o, s_o, b_o, tile * 16 + g, tile * 16 + g + 8, xs,
-                                          group_sums(batch_stride<Q_DIM>()), acc);
-    store_fragments<NT>(acc, red);
-  }, [&](int tile, int tile_row, int seq, const float (&value)[1][2]) {
-    for (int r = 0; r < 2 && seq < seqs; ++r) {
-      const int at = seq * HIDDEN + tile * 16 + tile_row + 8 * r;
-      h[at] = x[at] + value[0][r];
-    }
-  });
+  // 3. Output projection + residual.
+  stage_batch<false, Q_DIM, NT>(attn, seqs, attn_norm, 0.0f, xs);
+  residual_tiles<O_BITS, O_BIASES, Q_DIM, NT, HIDDEN>(w_o, s_o, b_o, xs, red, seqs, x, h);
   grid_barrier(arrivals);
 
   // 4. RMSNorm, gate and up: a block takes the same 16 rows of both.
-  stage_batch<true, HIDDEN, NT>(h, seqs, ffn_norm, eps[0], xs, group_sums(batch_stride<HIDDEN>()));
+  stage_batch<true, HIDDEN, NT>(h, seqs, ffn_norm, eps[0], xs);
   for_each_tile<NT, 2>(FFN / 16, red, [&](int tile) {
-    const float* gs = group_sums(batch_stride<HIDDEN>());
-    tile_dot<GATE_BITS, GATE_BIASES, HIDDEN, NT>(w_gate, s_gate, b_gate, tile * 16 + g, tile * 16 + g + 8, xs, gs,
-                                                 acc);
-    tile_dot<UP_BITS, UP_BIASES, HIDDEN, NT>(w_up, s_up, b_up, tile * 16 + g, tile * 16 + g + 8, xs, gs, acc_up);
+    tile_dot<GATE_BITS, GATE_BIASES, HIDDEN, NT>(w_gate, s_gate, b_gate, tile * 16 + g, tile * 16 + g + 8, xs, acc);
+    tile_dot<UP_BITS, UP_BIASES, HIDDEN, NT>(w_up, s_up, b_up, tile * 16 + g, tile * 16 + g + 8, xs, acc_up);
     store_fragments<NT>(acc, red);
     store_fragments<NT>(acc_up, red + LAYER_WARPS * 32 * NT * 4);
   }, [&](int tile, int tile_row, int seq, const float (&value)[2][2]) {
@@ -377,15 +392,6 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   grid_barrier(arrivals);
 
   // 5. Down projection + residual.
-  stage_batch<false, FFN, NT>(act, seqs, ffn_norm, 0.0f, xs, group_sums(batch_stride<FFN>()));
-  for_each_tile<NT, 1>(HIDDEN / 16, red, [&](int tile) {
-    tile_dot<DOWN_BITS, DOWN_BIASES, FFN, NT>(w_down, s_down, b_down, tile * 16 + g, tile * 16 + g + 8, xs,
-                                              group_sums(batch_stride<FFN>()), acc);
-    store_fragments<NT>(acc, red);
-  }, [&](int tile, int tile_row, int seq, const float (&value)[1][2]) {
-    for (int r = 0; r < 2 && seq < seqs; ++r) {
-      const int at = seq * HIDDEN + tile * 16 + tile_row + 8 * r;
-      y[at] = load_fresh(h + at) + value[0][r];
-    }
-  });
+  stage_batch<false, FFN, NT>(act, seqs, ffn_norm, 0.0f, xs);
+  residual_tiles<DOWN_BITS, DOWN_BIASES, FFN, NT, HIDDEN>(w_down, s_down, b_down, xs, red, seqs, h, y);
 }
