@@ -188,7 +188,7 @@ class KernelStep:
         tiles = -(-rows // SEQ_TILE)
         if tiles not in self._batch_scratch:  # made here, not while mx.compile traces _batch_forward
             c, seqs = self.config, tiles * SEQ_TILE
-            q_dim, max_runs = c.n_heads * c.head_dim, _max_runs(self.blocks, seqs * c.n_heads)
+            q_dim, max_runs = c.n_heads * c.head_dim, self._batch_max_runs(tiles)
             # decode_batch.cu's batch_layer_kernel: q, partials, attn, h, and act (float16, two a float).
             size = seqs * (2 * q_dim + c.n_heads * max_runs * (c.head_dim + 2) + c.hidden_size + c.ffn_size // 2)
             self._batch_scratch[tiles] = _on_device(mx.zeros((size,), mx.float32))
@@ -258,9 +258,8 @@ class KernelStep:
         """_layer for x [rows, hidden], through batch_layer_kernel with enough 8-sequence tiles for the rows."""
         c = self.config
         tiles = -(-x.shape[0] // SEQ_TILE)
-        max_runs = _max_runs(self.blocks, tiles * SEQ_TILE * c.n_heads)
         template, arrays = self._layer_arguments(layer)
-        template = [("NT", tiles)] + template + [("MAX_RUNS", max_runs)]
+        template = [("NT", tiles)] + template + [("MAX_RUNS", self._batch_max_runs(tiles))]
         inputs = ["x", *_LAYER_INPUTS]
         arguments = ["x", "x_shape[0]"] + inputs[1:20] + ["keys_shape[2]"] + inputs[20:] + ["y"]
         call = f"batch_layer_kernel<{', '.join(n for n, _ in template)}>({', '.join(arguments)});"
@@ -268,6 +267,10 @@ class KernelStep:
         return kernel(inputs=[x, *arrays(positions, keys, values), self.sync, self._batch_scratch[tiles]],
                       template=template, grid=(LAYER_THREADS * self.blocks, 1, 1), threadgroup=(LAYER_THREADS, 1, 1),
                       output_shapes=[x.shape], output_dtypes=[mx.float32])[0]
+
+    def _batch_max_runs(self, tiles: int) -> int:
+        """batch_layer_kernel's MAX_RUNS for `tiles` * 8 sequences, which its scratch input is sized by."""
+        return _max_runs(self.blocks, tiles * SEQ_TILE * self.config.n_heads)
 
     def _head(self, x: mx.array) -> mx.array:
         """Logits (float32) of the last layer's output x."""
