@@ -22,7 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 import mlx.core as mx
 
 import mlxllama
-from mlxllama.cache import make_cache
 
 
 def main():
@@ -34,7 +33,7 @@ def main():
     args = parser.parse_args()
     runtime = mlxllama.load(args.model)
     model = runtime.model
-    cache = make_cache(runtime.config.n_layers)
+    cache = runtime.model.make_cache()
     mx.eval(model(mx.array([[1] * args.context]), cache))
     token = mx.array([[1]])
 
@@ -68,7 +67,7 @@ def main():
         by_name[e["name"][:90]] += e["dur"] / args.steps
         counts[e["name"][:90]] += 1 / args.steps
     result = {
-        "model": args.model, "kernel_step": model.kernel_step is not None, "context": args.context,
+        "model": args.model, "kernels": model.decode_step.uses_kernels, "context": args.context,
         "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
         "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
         "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(15)],

@@ -1,8 +1,9 @@
 """Where a layer_kernel launch's time goes (CUDA only): when the blocks reach and leave each grid barrier.
 
     python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199]
+    python benchmarks/layer_timeline.py --header-only > timed.cu   # to compile-check it (nvcc, NVRTC)
 
-Builds the model's kernel step (cuda_step.py) from a copy of decode_step.cu in which thread 0 of
+Builds the model's kernel step (mlxllama.cuda) from a copy of decode_step.cu in which thread 0 of
 every block writes the GPU's global timer (ns) into an extra output at the kernel's start, on
 reaching and on leaving each of the four grid barriers, and at the end. It decodes up to the
 last of --positions and at each prints, as medians over the layers, in µs from the first
@@ -17,8 +18,9 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from mlxllama import cuda_step, load
-from mlxllama.cache import make_cache
+from mlxllama import load
+from mlxllama.cuda import kernels
+from mlxllama.cuda.step import device_limits
 from mlxllama.errors import MlxLlamaError
 
 STAMPS = 10  # start, 4 barriers x (arrival, departure), end
@@ -46,14 +48,13 @@ def timed_header(header: str) -> str:
 
 def instrument(blocks: int, timestamps: list[mx.array]) -> None:
     """Every layer launch from now on also returns its timestamps [blocks * 16] into `timestamps`."""
-    cuda_step._HEADER = timed_header(cuda_step._HEADER)
-    make_kernel = cuda_step._kernel
+    kernels.HEADER = timed_header(kernels.HEADER)
+    make_kernel = kernels.kernel
 
-    def kernel(name, inputs, outputs, call, shared, **options):
-        if name != "layer":
-            return make_kernel(name, inputs, outputs, call, shared, **options)
-        launch = make_kernel(name, inputs, outputs + ("times",), call.replace("scratch, y);", "scratch, y, times);"),
-                             shared)
+    def kernel(function, parameters, template, shared_floats, batch=False, outputs=("y",)):
+        if function != "layer_kernel":
+            return make_kernel(function, parameters, template, shared_floats, batch, outputs)
+        launch = make_kernel(function, parameters + ("times",), template, shared_floats, batch, outputs + ("times",))
 
         def timed(**kwargs):
             kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * 16,)]
@@ -64,7 +65,7 @@ def instrument(blocks: int, timestamps: list[mx.array]) -> None:
 
         return timed
 
-    cuda_step._kernel = kernel
+    kernels.kernel = kernel
 
 
 def report(position: int, timestamps: list[mx.array]) -> None:
@@ -80,19 +81,25 @@ def report(position: int, timestamps: list[mx.array]) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?")
     parser.add_argument("--positions", default="10,100,199")
+    parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
     args = parser.parse_args()
+    if args.header_only:
+        print(timed_header(kernels.HEADER))
+        return
+    if args.model is None:
+        parser.error("MODEL is required")
     positions = [int(p) for p in args.positions.split(",")]
     timestamps: list[mx.array] = []
-    limits = cuda_step._device_limits()
+    limits = device_limits()
     if not limits or not mx.cuda.is_available():
         raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
     instrument(limits[0], timestamps)
     runtime = load(args.model)
     model = runtime.model
-    model.kernel_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
-    cache = make_cache(runtime.config.n_layers)
+    model.decode_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
+    cache = model.make_cache()
     mx.eval(model.step(mx.array([[1]]), cache))
     for position in range(1, max(positions) + 1):
         timestamps.clear()

@@ -24,7 +24,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlxllama
-from mlxllama.cache import make_cache
 
 def median_seconds(fn, reps: int) -> float:
     fn()
@@ -56,7 +55,7 @@ def layer_bytes(layer: nn.Module) -> int:
 def profile(path: str, dequantize: bool, context: int, reps: int) -> dict:
     runtime = mlxllama.load(path, dequantize=dequantize)
     model, config = runtime.model, runtime.config
-    cache = make_cache(config.n_layers)
+    cache = model.make_cache()
     mx.eval(model(mx.array([[1] * context]), cache))
     token = mx.array([[1]])
 

@@ -1,6 +1,6 @@
 """mlxllama: run GGUF language models on MLX, with chat templates applied explicitly."""
 
-from .batch import batch_generate
+from .batching import batch_generate
 from .chat_template import render_chat
 from .errors import MlxLlamaError
 from .runtime import Runtime, load, load_tokenizer

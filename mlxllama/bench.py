@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from . import gguf_loader
-from .cache import make_cache
 from .errors import MlxLlamaError
 from .generate import prefill
+from .gguf_file import open_gguf
 from .runtime import Runtime, load
 
 
@@ -44,7 +43,7 @@ class TestResult:
 @dataclass
 class BenchReport:
     model: str
-    mode: str  # native, native+kernels (decoding goes through cuda_step.py's kernels) or dequantize
+    mode: str  # native, native+kernels (decoding goes through mlxllama.cuda's kernels) or dequantize
     device: str
     file_bytes: int
     tensor_bytes: int
@@ -68,7 +67,7 @@ class BenchReport:
 
 def file_tensor_stats(path: str) -> tuple[int, int]:
     """(bytes of tensor data, number of weights) in a GGUF file."""
-    gguf = gguf_loader.open_gguf(path)
+    gguf = open_gguf(path)
     tensors = gguf.tensors.values()
     return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors)
 
@@ -91,15 +90,14 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int) -> float:
 def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> float:
     """Seconds for n_gen greedy decode steps of `batch` sequences after a one-token start."""
     model = runtime.model
-    cache = make_cache(runtime.config.n_layers)
+    cache = runtime.model.make_cache()
     token = mx.argmax(model(mx.array(random_ids(runtime, batch, 1, seed)), cache)[:, -1:], axis=-1)
     mx.eval(token)
-    # Through the CUDA kernels (cuda_step.py) where they take this many sequences, as generate and
+    # Through the CUDA kernels (mlxllama.cuda) where they take this many sequences, as generate and
     # batch decode then; else one sequence through the compiled step and several uncompiled, as
     # batch decodes them without kernels: on an H100 the compiled step was 15% slower at 16
     # sequences (docs/benchmarks.md).
-    kernels = model.kernel_step is not None and model.kernel_step.takes(batch)
-    step = model.step if batch == 1 or kernels else (lambda tokens, kv: model(tokens, kv)[:, -1])
+    step = model.step if model.decode_step.takes(batch) else (lambda tokens, kv: model(tokens, kv)[:, -1])
     start = time.perf_counter()
     for _ in range(n_gen):
         next_token = mx.argmax(step(token, cache), axis=-1)[:, None]
@@ -120,7 +118,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length)
     report = BenchReport(
         model=os.path.basename(path), device=device_name(),
-        mode="dequantize" if dequantize else ("native+kernels" if runtime.model.kernel_step else "native"),
+        mode="dequantize" if dequantize else ("native+kernels" if runtime.model.decode_step.uses_kernels else "native"),
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
         load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,

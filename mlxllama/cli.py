@@ -72,16 +72,14 @@ def sampling_options(f):
     return f
 
 
-def sampling_params(kwargs: dict):
-    from .sampling import SamplingParams
+def sampling_params(options: dict):
+    """The sampling options as SamplingParams, which checks them (a NaN passes click's range check)."""
+    from .sampling import InvalidSampling, SamplingParams
 
-    if kwargs["temperature"] != kwargs["temperature"]:  # NaN passes click's range check
-        raise MlxLlamaError("--temperature must be a number")
-
-    return SamplingParams(
-        temperature=kwargs["temperature"], top_k=kwargs["top_k"], top_p=kwargs["top_p"], min_p=kwargs["min_p"],
-        repeat_penalty=kwargs["repeat_penalty"], repeat_last_n=kwargs["repeat_last_n"], seed=kwargs["seed"],
-    )
+    try:
+        return SamplingParams(**{name: options[name] for name in SamplingParams.names()})
+    except InvalidSampling as e:
+        raise MlxLlamaError(f"--{e.name.replace('_', '-')} must be {e.must}, got {e.value}") from None
 
 
 def template_options(f):
@@ -96,6 +94,11 @@ def template_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def check_no_template(no_template: bool, system: str | None, compare_template: bool) -> None:
+    if no_template and (system or compare_template):
+        raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
 
 
 def parse_template_kwargs(raw: str | None) -> dict:
@@ -185,8 +188,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
 
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
-    if no_template and (system or compare_template):
-        raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
+    check_no_template(no_template, system, compare_template)
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
     params = sampling_params(sampling)
@@ -233,11 +235,6 @@ def inspect_command(model_path, as_json):
     click.echo(json.dumps(info, ensure_ascii=False) if as_json else format_text(info))
 
 
-CHAT_HELP = """commands: /reset (forget the conversation), /system TEXT (set the system message; empty clears it),
-/history (show the conversation), /save FILE (write a JSON transcript), /quit (or Ctrl-D).
-Ctrl-C stops the current reply."""
-
-
 @main.command()
 @model_option
 @dequantize_option
@@ -257,6 +254,7 @@ def chat(model_path, template_name, template_file, template_kwargs, system, **sa
     printf 'What is the capital of Japan?\\nWhat is 17 plus 25?\\n' | mlxllama chat
     """
     from .chat import ChatSession
+    from .chat_repl import run_chat
     from .prompt import choose_template
 
     kwargs = parse_template_kwargs(template_kwargs)
@@ -264,65 +262,7 @@ def chat(model_path, template_name, template_file, template_kwargs, system, **sa
     template = choose_template(runtime.chat_template, template_name, template_file)
     session = ChatSession(runtime, template, system, sampling_params(sampling), sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True))
-    interactive = sys.stdin.isatty()
-    failed = False
-    if interactive:
-        click.echo(f"mlxllama chat: {os.path.basename(runtime.path)}, template {template.label}. {CHAT_HELP}", err=True)
-    while True:
-        try:
-            line = input(">>> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            break
-        except KeyboardInterrupt:
-            click.echo("", err=True)
-            continue
-        if not interactive and not line:
-            break
-        line = line.rstrip("\n")
-        if not line.strip():
-            continue
-        try:
-            if line.startswith("/"):
-                if run_chat_command(session, line):
-                    break
-                continue
-            for piece in session.send(line):
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
-            click.echo()
-        except KeyboardInterrupt:
-            click.echo("\n[reply stopped]", err=True)
-        except MlxLlamaError as e:
-            # One bad line or command should not end the conversation, but a script should learn of it.
-            click.echo(f"mlxllama: error: {e}", err=True)
-            failed = True
-    if failed and not interactive:
-        sys.exit(2)
-
-
-def run_chat_command(session, line: str) -> bool:
-    """Carry out a /command; True means quit."""
-    command, _, argument = line.partition(" ")
-    argument = argument.strip()
-    if command in ("/quit", "/exit"):
-        return True
-    if command == "/reset":
-        session.reset()
-        click.echo("[conversation reset]", err=True)
-    elif command == "/system":
-        session.set_system(argument)
-        click.echo(f"[system message {'set' if argument else 'cleared'}]", err=True)
-    elif command == "/history":
-        for message in session.conversation():
-            click.echo(f"{message['role']}: {message['content']}")
-    elif command == "/save":
-        if not argument:
-            raise MlxLlamaError("/save needs a file name")
-        session.save(argument)
-        click.echo(f"[saved {argument}]", err=True)
-    else:
-        click.echo(f"[unknown command {command}; {CHAT_HELP}]", err=True)
-    return False
+    sys.exit(run_chat(session, sys.stdin))
 
 
 @contextmanager
@@ -366,11 +306,10 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     mlxllama batch prompts.jsonl --out results.jsonl
     printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
     """
-    from .batch import BatchSettings, run_batch
+    from .batch_jobs import BatchSettings, run_batch
     from .prompt import choose_template
 
-    if no_template and (system or compare_template):
-        raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
+    check_no_template(no_template, system, compare_template)
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
     settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),

@@ -11,19 +11,16 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .model import Block, Transformer
+from .models.transformer import Block
 
 FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
-
-
-def fuse_projections(model: Transformer) -> None:
-    for block in model.blk:
-        fuse_block(block)
 
 
 def fuse_block(block: Block) -> None:
     """Give the block `attn_qkv` and `ffn_gate_up` in place of the layers they stack, where it can."""
     for fused, parts in FUSED.items():
+        if fused in block:  # the file stored them fused (Phi-3)
+            continue
         layer = stacked([block[p] for p in parts])
         if layer is not None:
             for p in parts:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .errors import MlxLlamaError
-from .model import Transformer
+from .models import Transformer
 from .sampling import Sampler
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -99,14 +99,34 @@ class GenerationResult:
     generation_tokens_per_second: float = 0.0
     stop: str | None = field(default=None)  # the stop string that ended generation, if any
 
+    @classmethod
+    def of(cls, collector: TextCollector, prompt_ids: Sequence[int], ids: list[int], fed: int, start: float,
+           first_token_time: float | None) -> GenerationResult:
+        """The result of a finished generation: its collector's text and ending, and its speeds
+        (`fed` prompt tokens from `start` to the first token, the rest from there to now)."""
+        end = time.perf_counter()
+        first = first_token_time or end
+        return cls(
+            text=collector.text,
+            token_ids=ids,
+            prompt_ids=list(prompt_ids),
+            finish_reason=collector.finish or "length",
+            prompt_tokens_per_second=fed / max(first - start, 1e-9),
+            generation_tokens_per_second=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
+            stop=collector.stop,
+        )
+
+    def timings(self) -> dict:
+        return {"prompt_tokens_per_second": round(self.prompt_tokens_per_second, 2),
+                "generation_tokens_per_second": round(self.generation_tokens_per_second, 2)}
+
     def to_dict(self) -> dict:
         return {
             "prompt_ids": self.prompt_ids,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
-            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 2),
-            "generation_tokens_per_second": round(self.generation_tokens_per_second, 2),
+            **self.timings(),
         }
 
 
@@ -239,17 +259,7 @@ class TextStream:
         tail = collector.close()
         if tail:
             yield tail
-        end = time.perf_counter()
-        first = first_token_time or end
-        self.result = GenerationResult(
-            text=collector.text,
-            token_ids=ids,
-            prompt_ids=self.prompt_ids,
-            finish_reason=collector.finish or "length",
-            prompt_tokens_per_second=len(self.new_ids) / max(first - start, 1e-9),
-            generation_tokens_per_second=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
-            stop=collector.stop,
-        )
+        self.result = GenerationResult.of(collector, self.prompt_ids, ids, len(self.new_ids), start, first_token_time)
 
     def run(self) -> GenerationResult:
         for _ in self:

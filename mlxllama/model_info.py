@@ -9,7 +9,8 @@ from typing import Any
 
 from .chat_template import match_builtin
 from .errors import MlxLlamaError
-from .gguf_loader import SUPPORTED_ARCHITECTURES, open_gguf, tensor_shape
+from .gguf_file import open_gguf, tensor_shape
+from .models import SUPPORTED_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _TOKENIZER_KINDS = {"llama": "SentencePiece", "gpt2": "byte-level BPE"}

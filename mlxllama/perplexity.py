@@ -21,10 +21,9 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import make_cache
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK
-from .model import Transformer
+from .models import Transformer
 
 
 @dataclass
@@ -62,7 +61,7 @@ def negative_log_likelihoods(logits: np.ndarray, targets: np.ndarray) -> np.ndar
 
 def chunk_nll(model: Transformer, chunk: Sequence[int], first: int) -> np.ndarray:
     """Negative log-likelihoods of chunk[first+1:] given what precedes each, from one fresh cache."""
-    cache = make_cache(model.config.n_layers)
+    cache = model.make_cache()
     nll = []
     # Fed in pieces of PREFILL_CHUNK tokens, so that few rows of vocabulary-wide logits exist at a time.
     for start in range(0, len(chunk), PREFILL_CHUNK):

@@ -9,15 +9,17 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_step, gguf_loader, quantized_model
-from .cache import KVCache, make_cache
-from .config import ModelConfig
-from .fusion import fuse_projections
+from .cache import KVCache
 from .generate import GenerationResult, TextStream
-from .model import Transformer
+from .gguf_file import open_gguf, read_metadata
+from .models import ModelConfig, Transformer, architecture_of
 from .prompt import choose_template, render_messages
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
+from .weights import load_model
+
+# "0" keeps MLX's CUDA backend on the plain step (for comparisons); mlxllama.cuda reads "uncompiled".
+CUDA_KERNELS_ENV = "MLXLLAMA_CUDA_KERNELS"
 
 
 def default_dtype() -> mx.Dtype:
@@ -52,7 +54,7 @@ class Runtime:
         return self.tokenizer.decode(ids)
 
     def new_cache(self) -> list[KVCache]:
-        return make_cache(self.config.n_layers)
+        return self.model.make_cache()
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 [len(ids), vocab] from one fresh forward pass (no cache)."""
@@ -60,20 +62,20 @@ class Runtime:
         return np.array(out[0], dtype=np.float32)
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
-               stop: Sequence[str] = (), special: bool = False) -> TextStream:
+               stop: Sequence[str] = (), special: bool = False, **sampling) -> TextStream:
         """Text pieces as they are generated; the stream's `.result` is set once it is exhausted.
 
         A string prompt is tokenized with BOS and no template; `special` parses control tokens in it.
+        Sampling keywords (temperature=, top_k=, seed=… : the fields of SamplingParams) override `params`.
         """
+        params = params.with_overrides(**sampling)
         ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
         return TextStream(self.model, self.tokenizer, self.new_cache(), ids, make_sampler(params), max_tokens, stop)
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
-                 repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
-                 special: bool = False) -> GenerationResult:
-        params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
-        return self.stream(prompt, max_tokens, params, stop, special).run()
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
+                 stop: Sequence[str] = (), special: bool = False, **sampling) -> GenerationResult:
+        """The whole continuation at once: `stream(...).run()`; greedy unless the sampling settings say otherwise."""
+        return self.stream(prompt, max_tokens, params, stop, special, **sampling).run()
 
 
 def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
@@ -83,29 +85,30 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     `context_length` limits prompt plus generation (default: the model's trained context, as
     llama.cpp's n_ctx) and, like llama.cpp's n_ctx, picks Phi-3's short or long LongRoPE factors.
 
-    Projections that read the same input are fused (fusion.py).
-
-    Quantized matrices stay quantized (native mode, see quantized_model); `dequantize` expands
-    every weight to `dtype` instead, the simple mode to compare against. On MLX's CUDA backend a
-    native model decodes one sequence through the kernels of cuda_step.py.
+    Quantized matrices stay quantized (native mode, weights.py); `dequantize` expands every weight
+    to `dtype` instead, the simple mode to compare against. The decode step is chosen here, once:
+    on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda.
     """
     start = time.perf_counter()
-    gguf = gguf_loader.open_gguf(path)
-    config = gguf_loader.read_config(gguf, context_length)
+    gguf = open_gguf(path)
+    architecture = architecture_of(gguf)
+    config = architecture.read_config(gguf, context_length)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
-    if dequantize:
-        model = Transformer(config, dtype)
-        # Not strict: read_config has checked every tensor's shape, and expected_shapes names every parameter.
-        model.load_weights(list(gguf_loader.load_weights(gguf, config, dtype).items()), strict=False)
-        fuse_projections(model)
-    else:
-        model = quantized_model.build(gguf, config, dtype)  # fuses block by block as it loads
-        model.kernel_step = cuda_step.build(model)
+    model = load_model(gguf, architecture, config, dtype, native=not dequantize)
+    if not dequantize and cuda_kernels_wanted():
+        from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
+
+        model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 
 
+def cuda_kernels_wanted() -> bool:
+    return (mx.default_device() == mx.gpu and mx.cuda.is_available()
+            and os.environ.get(CUDA_KERNELS_ENV) != "0")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer alone; works on vocab-only GGUF files."""
-    return Tokenizer.from_metadata(gguf_loader.read_metadata(path))
+    return Tokenizer.from_metadata(read_metadata(path))

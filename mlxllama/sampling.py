@@ -1,22 +1,69 @@
-"""Turning logits into the next token: penalties, then temperature, top-k, top-p, min-p."""
+"""Turning logits into the next token: the logits processors, then temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+
+from .errors import MlxLlamaError
+from .logits_processors import apply_repeat_penalty
+
+
+class InvalidSampling(MlxLlamaError):
+    """A sampling setting out of its range; the CLI names the option, the Python API the field."""
+
+    def __init__(self, name: str, must: str, value: Any):
+        super().__init__(f"sampling setting '{name}' must be {must}, got {value!r}")
+        self.name, self.must, self.value = name, must, value
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to pick each token: the one definition the CLI, `batch` lines and the Python API share.
+
+    Invalid values raise MlxLlamaError naming the field, whoever passes them.
+    """
+
     temperature: float = 0.0  # 0 is greedy
     top_k: int = 0  # 0 keeps every token
-    top_p: float = 1.0
-    min_p: float = 0.0
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this mass
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
     repeat_penalty: float = 1.0  # 1 is off
-    repeat_last_n: int = 64
-    seed: int | None = None
+    repeat_last_n: int = 64  # window of the repeat penalty; -1: everything so far
+    seed: int | None = None  # None: a random seed
+
+    def __post_init__(self):
+        def check(name: str, ok: bool, must: str) -> None:
+            if not ok:
+                raise InvalidSampling(name, must, getattr(self, name))
+
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        check("temperature", number(self.temperature) and self.temperature >= 0, "a finite number >= 0")
+        check("top_k", integer(self.top_k) and self.top_k >= 0, "an integer >= 0")
+        check("top_p", number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]")
+        check("min_p", number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]")
+        check("repeat_penalty", number(self.repeat_penalty) and self.repeat_penalty > 0, "a finite number > 0")
+        check("repeat_last_n", integer(self.repeat_last_n) and self.repeat_last_n >= -1, "an integer >= -1")
+        check("seed", self.seed is None or integer(self.seed) and self.seed >= 0, "null or an integer >= 0")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def with_overrides(self, **overrides: Any) -> SamplingParams:
+        """These settings with some fields replaced (checked again); an unknown name is an error."""
+        unknown = sorted(set(overrides) - set(self.names()))
+        if unknown:
+            raise TypeError(f"unknown sampling setting(s): {', '.join(unknown)} (known: {', '.join(self.names())})")
+        return replace(self, **overrides)
 
 
 Sampler = Callable[..., mx.array]
@@ -42,25 +89,6 @@ def make_sampler(params: SamplingParams) -> Sampler:
         return mx.random.categorical(logits, key=step_key)
 
     return sample
-
-
-def apply_repeat_penalty(logits: mx.array, history: Sequence[int], penalty: float, last_n: int,
-                         pending: mx.array | None = None) -> mx.array:
-    """llama.cpp's rule: a recent token's positive logit is divided by the penalty, a negative one multiplied.
-
-    The window is the last `last_n` tokens (all when negative), `pending` being the newest.
-    """
-    if penalty == 1.0 or last_n == 0:
-        return logits
-    from_history = len(history) if last_n < 0 else last_n - (pending is not None)
-    recent = mx.array(sorted(set(history[len(history) - from_history:])), mx.uint32)
-    if pending is not None:
-        recent = mx.concatenate([recent, pending.reshape(1).astype(mx.uint32)])
-    if recent.size == 0:
-        return logits
-    chosen = logits[recent]
-    logits[recent] = mx.where(chosen > 0, chosen / penalty, chosen * penalty)
-    return logits
 
 
 def filter_logits(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:

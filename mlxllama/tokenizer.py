@@ -3,7 +3,7 @@
 Byte-level BPE segmentation lives in ``bpe.py``; this module handles what both kinds share (special
 tokens, BOS/EOS, end-of-generation ids, decoding tables).  For SentencePiece vocabularies:
 
-The raw-text segmentation is done by the ``sentencepiece`` library with a model that is
+The raw-text segmentation is done by the ``sentencepiece`` library (``sentencepiece_model.py``) with a model
 assembled in memory from the GGUF vocabulary (a hand-serialized ``ModelProto``; no protobuf
 dependency).  Everything around it follows llama.cpp's ``llama-vocab.cpp`` rather than
 sentencepiece's own conventions:
@@ -21,14 +21,13 @@ sentencepiece's own conventions:
 from __future__ import annotations
 
 import codecs
-import struct
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import sentencepiece
 
 from . import bpe
 from .errors import MlxLlamaError
+from .sentencepiece_model import SentencePieceEncoder, byte_of_piece
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 
@@ -98,69 +97,6 @@ _CSPACE = " \t\n\v\f\r"  # C isspace(), used by llama.cpp's lstrip/rstrip of spe
 _KEY = "tokenizer.ggml."
 
 
-# --------------------------------------------------------------------------------------------
-# protobuf wire format, just enough to serialize a sentencepiece ModelProto
-# (field numbers from sentencepiece_model.proto)
-# --------------------------------------------------------------------------------------------
-
-def _varint(n: int) -> bytes:
-    if 0 <= n < 0x80:
-        return _SMALL_VARINTS[n]
-    if n < 0:
-        n += 1 << 64  # int32/int64 negatives are 10-byte two's complement varints
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
-
-
-def _field_varint(field: int, value: int) -> bytes:
-    return _varint(field << 3) + _varint(int(value))
-
-
-def _field_bytes(field: int, payload: bytes) -> bytes:
-    return _varint((field << 3) | 2) + _varint(len(payload)) + payload
-
-
-_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_BYTE = 1, 2, 3, 6
-_BPE = 2
-
-
-def _piece_message(text: bytes, score_f32: bytes, sp_type: int) -> bytes:
-    # SentencePiece { string piece = 1; float score = 2; Type type = 3; }
-    body = _field_bytes(1, text) + b"\x15" + score_f32 + _field_varint(3, sp_type)
-    return _field_bytes(1, body)  # ModelProto.pieces = 1
-
-
-def _model_proto(pieces: list[bytes], *, byte_fallback: bool, unk_id: int) -> bytes:
-    trainer = b"".join([
-        _field_varint(3, _BPE),                # model_type
-        _field_varint(4, unk_id + 1),          # vocab_size
-        _field_varint(35, byte_fallback),      # byte_fallback
-        _field_varint(40, unk_id),             # unk_id
-        _field_varint(41, -1),                 # bos_id: BOS/EOS are handled here, not by sp
-        _field_varint(42, -1),                 # eos_id
-        _field_varint(43, -1),                 # pad_id
-    ])
-    normalizer = b"".join([
-        _field_bytes(1, b"identity"),          # name: no NFKC, no charsmap
-        _field_varint(3, False),               # add_dummy_prefix: done per fragment, below
-        _field_varint(4, False),               # remove_extra_whitespaces
-        _field_varint(5, True),                # escape_whitespaces: " " -> "▁"
-    ])
-    return b"".join(pieces) + _field_bytes(2, trainer) + _field_bytes(3, normalizer)
-
-
-# --------------------------------------------------------------------------------------------
-
 def _get(metadata: Mapping[str, Any], name: str, default: Any = None) -> Any:
     return metadata.get(_KEY + name, default)
 
@@ -174,15 +110,6 @@ def _opt_id(metadata: Mapping[str, Any], name: str, default: int | None, n_vocab
         return default
     value = int(value)
     return value if 0 <= value < n_vocab else default
-
-
-def _byte_of_piece(text: str) -> int | None:
-    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-        try:
-            return int(text[3:5], 16)
-        except ValueError:
-            return None
-    return None
 
 
 class Tokenizer:
@@ -330,50 +257,15 @@ class Tokenizer:
             elif a & ATTR_NORMAL:
                 pieces.append(bpe.byte_decode(texts[i]) if is_bpe else texts[i].replace(_SPACE, " ").encode("utf-8"))
             elif a & ATTR_BYTE:
-                b = _byte_of_piece(texts[i])
+                b = byte_of_piece(texts[i])
                 pieces.append(bytes([b]) if b is not None else b"")
             else:  # UNUSED, UNDEFINED
                 pieces.append(b"")
         self._pieces = pieces
 
         if not is_bpe:
-            self._build_sentencepiece(scores[:n], types[:n])
-
-    def _build_sentencepiece(self, scores: np.ndarray, types: np.ndarray) -> None:
-        n = self.vocab_size
-        texts = self._texts
-        byte_ids = {}
-        for i in range(n):
-            if types[i] == TYPE_BYTE:
-                b = _byte_of_piece(texts[i])
-                # sentencepiece accepts only the exact "<0x0A>" spelling as a byte piece
-                if b is not None and texts[i] == f"<0x{b:02X}>":
-                    byte_ids[b] = i
-        byte_fallback = len(byte_ids) == 256
-        byte_piece_ids = set(byte_ids.values()) if byte_fallback else set()
-        self._byte_fallback = byte_fallback
-
-        score_bytes = scores.astype("<f4").tobytes()
-        parts = []
-        for i in range(n):
-            data = texts[i].encode("utf-8")
-            sp_type = _SP_BYTE if i in byte_piece_ids else _SP_NORMAL
-            if len(data) >= 8000:  # sentencepiece's limit; such a piece can't be produced anyway
-                data, sp_type = f"\uf8ff<mlxllama-long-{i}>\uf8ff".encode(), _SP_CONTROL
-            parts.append(_piece_message(data, score_bytes[4 * i:4 * i + 4], sp_type))
-        # sentencepiece needs exactly one UNKNOWN piece: a synthetic, unreachable one at the end
-        # (llama.cpp lets <unk> and other UNKNOWN-typed tokens merge like normal pieces).
-        unk_text = "\uf8ff<mlxllama-unk>\uf8ff"
-        while unk_text in self._token_to_id:
-            unk_text += "\uf8ff"
-        parts.append(_piece_message(unk_text.encode(), struct.pack("<f", 0.0), _SP_UNKNOWN))
-        self._sp_unk = n
-        proto = _model_proto(parts, byte_fallback=byte_fallback, unk_id=n)
-        try:
-            sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
-        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError
-            raise MlxLlamaError(f"could not build the SentencePiece tokenizer: {e}") from None
-        self._sp = sp
+            byte_types = types[:n] == TYPE_BYTE
+            self._sp = SentencePieceEncoder(texts, scores[:n], byte_types, self.unk_id)
 
     # ---- encoding ---------------------------------------------------------------------------
 
@@ -403,13 +295,7 @@ class Tokenizer:
         return fragments
 
     def _encode_fragment(self, text: str) -> list[int]:
-        if self.kind == "bpe":
-            return self._bpe.encode(text)
-        ids = self._sp.encode(text)
-        if not self._byte_fallback and self._sp_unk in ids:
-            unk = self.unk_id if self.unk_id is not None else 0
-            ids = [unk if t == self._sp_unk else t for t in ids]
-        return ids
+        return self._bpe.encode(text) if self.kind == "bpe" else self._sp.encode(text)
 
     def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids for ``text``, as ``llama_tokenize(text, add_special=add_bos, parse_special=special)``.

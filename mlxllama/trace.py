@@ -37,7 +37,7 @@ from .cache import KVCache
 from .errors import MlxLlamaError
 from .files import write_text_atomic
 from .generate import check_fits
-from .model import Transformer
+from .models import Transformer
 from .tokenizer import Tokenizer
 
 DUMP_FORMAT = "mlxllama-trace"

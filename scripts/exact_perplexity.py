@@ -1,7 +1,7 @@
 """The exact perplexity of a chat-tiny (llama architecture) GGUF: a plain numpy float64 forward pass.
 
-    /work/venv/bin/python scripts/exact_perplexity.py ../shared/fixtures/models/chat-tiny-*.gguf
-    /work/venv/bin/python scripts/exact_perplexity.py --ctx 128 --no-write ../shared/fixtures/models/chat-tiny-Q6_K.gguf
+    python scripts/exact_perplexity.py ../shared/fixtures/models/chat-tiny-*.gguf
+    python scripts/exact_perplexity.py --ctx 128 --no-write ../shared/fixtures/models/chat-tiny-Q6_K.gguf
 
 Weights are gguf.quants.dequantize's values (exactly what the quantized blocks stand for) held
 in float64, and every activation stays float64: no rounding of activations to Q8 blocks as

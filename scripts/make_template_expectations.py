@@ -7,9 +7,9 @@ few fixed conversations (one of them offering a tool), with and without the gene
 
 It needs transformers, which mlxllama does not depend on; it does not need torch:
 
-    python3 -m venv /work/tfvenv
-    /work/tfvenv/bin/pip install transformers jinja2
-    /work/tfvenv/bin/python scripts/make_template_expectations.py [--fixtures DIR] [--out FILE]
+    python3 -m venv /tmp/tfvenv
+    /tmp/tfvenv/bin/pip install transformers jinja2
+    /tmp/tfvenv/bin/python scripts/make_template_expectations.py [--fixtures DIR] [--out FILE]
 
 `strftime_now` is pinned to FIXED_NOW so that templates printing today's date render the same
 every time; the test pins mlxllama's renderer to the same moment.

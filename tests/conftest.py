@@ -1,28 +1,63 @@
-"""Shared pytest helpers."""
+"""Shared pytest helpers: where fixtures live, and a summary of what was skipped for want of them.
+
+Tests are grouped: unit/ (one module or behaviour at a time), parity/ (against llama.cpp and
+transformers references), cli/ (commands as a user runs them, and the benchmark scripts), cuda/
+(the CUDA kernels; they skip where MLX does not run on CUDA).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-REPO_FIXTURES = Path(__file__).parent / "fixtures"
-PACKAGE_DATA = Path(__file__).parents[1] / "mlxllama" / "data"
-# Large models live outside the repo, next to the checkout, and may be absent.
-SHARED_FIXTURES = Path(__file__).parents[2] / "shared" / "fixtures" / "models"
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+REPO_FIXTURES = TESTS / "fixtures"
+REFERENCE = TESTS / "reference"
+PACKAGE_DATA = REPO / "mlxllama" / "data"
+# The extended fixtures (larger models, every vocabulary, 70 templates) live beside the checkout,
+# as the workplace and CI have them, and may be absent elsewhere.
+SHARED = REPO.parent / "shared" / "fixtures"
+SHARED_MODELS = SHARED / "models"
+MISSING = "missing extended fixture"
+
+
+def skip_missing(what: str | Path) -> None:
+    """Skip a test whose fixture is absent; the session's summary counts these skips."""
+    pytest.skip(f"{MISSING}: {what}")
 
 
 def find_fixture_model(name: str) -> Path:
     """Path of a fixture model: the repo copy if present, else the shared one, else skip the test."""
-    for directory in (REPO_FIXTURES, PACKAGE_DATA, SHARED_FIXTURES):
+    for directory in (REPO_FIXTURES, PACKAGE_DATA, SHARED_MODELS):
         path = directory / name
         if path.is_file():
             return path
-    pytest.skip(f"fixture model {name} not found in {REPO_FIXTURES}, {PACKAGE_DATA} or {SHARED_FIXTURES}")
+    skip_missing(SHARED_MODELS / name)
 
 
 @pytest.fixture
 def fixture_model() -> Callable[[str], Path]:
     """Use as `fixture_model("types-tiny-Q4_0.gguf")`; skips the test when the file is missing."""
     return find_fixture_model
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say how many cases skipped for want of the extended fixtures, and for what else, so that
+    a clone without ../shared cannot pass for a full run."""
+    reasons = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons["extended fixtures" if MISSING in reason else reason.removeprefix("Skipped: ")] += 1
+    if not reasons:
+        return
+    terminalreporter.section("skipped cases")
+    for reason, count in reasons.most_common():
+        if reason == "extended fixtures":
+            terminalreporter.write_line(f"{count} skipped: extended fixtures not found in {SHARED}"
+                                        " (the parity models, vocabularies and templates beside the checkout)")
+        else:
+            terminalreporter.write_line(f"{count} skipped: {reason}")

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# MLX's CUDA build on a lent GPU machine (the workplace's device tool), in a few calls; docs/benchmarks.md
+# and docs/maintaining.md give the calls in order.
+#
+#   bash benchmarks/gpu.sh payload [--llama-cpp]  # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
+#                                                 # gguf wheel, xz-compressed and split in parts of 16 MB, so that
+#                                                 # each call carries one part beside the repository (64 MiB a call);
+#                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's) to p1
+#   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the part with
+#                                                 # llama.cpp's source also starts building it in the background
+#   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
+#                                                 # TinyLlama-shape Q4_K_M file (mlxllama bench --synthetic's)
+#   bash benchmarks/gpu.sh test [PYTEST ARGS]     # there: the whole suite on the GPU (tests/cuda runs only there)
+#   bash benchmarks/gpu.sh bench                  # there: bench with the kernels, the plain step and --dequantize,
+#                                                 # profiles, the kernel trace, then llama-bench and llama-batched-bench
+#
+# The calls must follow each other while the machine is warm (it is given back 30 s after a call).
+# Every command there runs with PYTHONPATH=$GPU_WORK/site; results are written under $OUT when set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work=${GPU_WORK:-/tmp/mlxllama-gpu}
+out=${OUT:-$work/out}
+model=$work/tinyllama-1.1b-Q4_K_M.gguf
+export PYTHONUNBUFFERED=1 PYTHONPATH=$work/site:$PWD
+log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
+
+payload() {
+    set -e
+    local tmp part=16000000
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$tmp/dl" \
+        mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0
+    mkdir -p "$tmp/site"
+    for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
+    (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
+    rm -rf .whl/p[0-9]*
+    split -b $part -d -a 1 "$tmp/site.tar.xz" "$tmp/site.part"
+    local i=1
+    for f in "$tmp"/site.part*; do mkdir -p ".whl/p$i"; mv "$f" ".whl/p$i/"; i=$((i + 1)); done
+    if [ "${1:-}" = --llama-cpp ]; then
+        python3 -m pip download -q --no-deps --no-binary :all: -d "$tmp/src" llama-cpp-python==0.3.36
+        tar xzf "$tmp"/src/llama_cpp_python-0.3.36.tar.gz -C "$tmp/src"
+        local full=$tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp cut=$tmp/llama.cpp
+        mkdir -p "$cut/tools" "$cut/ggml/src"
+        cp -r "$full"/{CMakeLists.txt,LICENSE,cmake,include,src,common,licenses,vendor} "$cut/"
+        cp -r "$full"/tools/{llama-bench,batched-bench} "$cut/tools/"
+        printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\n' \
+            > "$cut/tools/CMakeLists.txt"
+        cp -r "$full"/ggml/{CMakeLists.txt,cmake,include} "$cut/ggml/"
+        cp -r "$full"/ggml/src/{CMakeLists.txt,*.c,*.cpp,*.h,*.in,ggml-cpu,ggml-cuda,ggml-blas} "$cut/ggml/src/"
+        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > .whl/p1/llama.cpp.tar.xz
+    fi
+    rm -rf "$tmp"
+    du -sh .whl/p*
+}
+
+stash() {
+    mkdir -p "$work"
+    cp "$1"/site.part* "$work/"
+    if [ -f "$1/llama.cpp.tar.xz" ]; then
+        tar xJf "$1/llama.cpp.tar.xz" -C "$work"
+        setsid nohup bash benchmarks/build_llama_cpp.sh "$work/llama.cpp" "$work/llama-build" \
+            > "$work/build.log" 2>&1 < /dev/null &
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    ls "$work"
+}
+
+install() {
+    stash "$1" > /dev/null
+    mkdir -p "$work/site"
+    cat "$work"/site.part* | xz -d | tar x -C "$work/site" || exit 1
+    python3 -c 'import mlx.core as mx; print("MLX", mx.__version__, mx.default_device(), mx.device_info())' || exit 1
+    [ -f "$model" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$model')"
+}
+
+run_tests() {
+    log the suite on the GPU
+    python3 -m pytest -q -p no:cacheprovider -rfE "$@" 2>&1 | grep -v "^E  \|^    \|^$" | tail -40
+}
+
+bench() {
+    mkdir -p "$out"
+    # native: decoding (1, 8 and 16 sequences) goes through mlxllama.cuda's kernels; plain: the same
+    # model through the plain MLX step; dequantize: every weight float16.
+    for mode in native plain dequantize; do
+        log mlxllama bench $mode
+        local flag kernels
+        flag=$([ $mode = dequantize ] && echo --dequantize)
+        kernels=$([ $mode = plain ] && echo 0 || echo 1)
+        MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 cli.py bench -m "$model" -p 512 -n 128 -b 1,8,16 -r 5 \
+            $flag --json > "$out/mlxllama-$mode.json"
+        python3 -c "import json; r = json.load(open('$out/mlxllama-$mode.json')); print('$mode', round(r['load_seconds'], 2), 's',
+            round(r['weight_ratio'], 3), [(t['name'], t['batch'], round(t['tokens_per_second'], 1)) for t in r['tests']])"
+        MLXLLAMA_CUDA_KERNELS=$kernels timeout 60 python3 benchmarks/profile_decode.py "$model" $flag --context 512 \
+            --json "$out/profile-$mode.json"
+    done
+    log kernel trace
+    timeout 120 python3 benchmarks/kernel_trace.py "$model" --json "$out/kernel-trace.json" | head -7
+    log waiting for the llama.cpp build
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    if [ -f "$work/llama-build.done" ]; then
+        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+        local bin=$work/llama-build/bin
+        log llama-bench
+        timeout 120 "$bin/llama-bench" -m "$model" -p 512 -n 128 -r 5 -ngl 99 -fa off,on -o json > "$out/llama-bench.json"
+        log llama-batched-bench
+        timeout 60 "$bin/llama-batched-bench" -m "$model" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 128 -npl 1,8,16 -ngl 99 \
+            -fa on 2>&1 | grep "^|" | tee "$out/llama-batched-bench.md"
+    fi
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+}
+
+case ${1:-} in
+    payload) shift; payload "$@" ;;
+    stash) stash "$2" ;;
+    install) install "$2" ;;
+    test) shift; run_tests "$@" ;;
+    bench) bench ;;
+    *) sed -n '2,20p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,5 @@
+"""`python -m mlxllama ...`, the same as the `mlxllama` command."""
+
+from .cli import main
+
+main(prog_name="mlxllama")

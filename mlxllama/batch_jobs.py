@@ -1,0 +1,293 @@
+"""The `mlxllama batch` job runner: JSONL prompts in, JSONL results out, resumable.
+
+Results are written in input order: a job that finishes before an earlier one waits in memory
+until the earlier one is written. So a results file is always a prefix of the input's runnable
+lines, and resuming (skip the ids already in the file, append the rest) ends with the same
+file, in the same order, as one uninterrupted run. The price: results still waiting behind an
+unfinished earlier job are lost if the run is killed, and recomputed when it is resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ContextManager, Iterable, Sequence, TextIO
+
+from .batching import Request, generate_batch
+from .errors import MlxLlamaError, parse_json_object
+from .generate import GenerationResult, check_fits
+from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
+from .sampling import SamplingParams
+
+# Keys an input line may carry, the types each accepts, and how to say so; other keys are ignored,
+# so a line can carry data of its own (an expected answer, say).
+LINE_FIELDS = {
+    "id": ((str, int), "a string or an integer"),
+    "prompt": ((str,), "a string"),
+    "messages": ((list,), "a list of messages"),
+    "max_tokens": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"),
+    "seed": ((int, type(None)), "an integer or null"),
+    "system": ((str,), "a string"),
+    "template": ((str,), "a built-in template name"),
+    "no_template": ((bool,), "true or false"),
+    "stop": ((str, list), "a string or a list of strings"),
+}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The command line's settings; an input line may override most of them."""
+
+    template: Template
+    system: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 256
+    stop: Sequence[str] = ()
+    compare_template: bool = False
+
+
+@dataclass
+class Job:
+    """One input line to run: one prompt, or two with --compare-template (with, then without template)."""
+
+    id: Any
+    prompts: list[Prompt]
+    requests: list[Request]
+
+
+def parse_entry(line: str) -> dict:
+    entry = parse_json_object(line)
+    for key, (types, description) in LINE_FIELDS.items():
+        value = entry.get(key)
+        if key in entry and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+            raise MlxLlamaError(f"'{key}' must be {description}")
+    if ("prompt" in entry) == ("messages" in entry):
+        raise MlxLlamaError("needs either 'prompt' or 'messages'")
+    messages = entry.get("messages")
+    if messages is not None and not (messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise MlxLlamaError("'messages' must be a non-empty list of {\"role\": string, \"content\": string} objects")
+    if isinstance(entry.get("stop"), list) and not all(isinstance(s, str) for s in entry["stop"]):
+        raise MlxLlamaError(f"'stop' must be {LINE_FIELDS['stop'][1]}")
+    if entry.get("max_tokens", 0) < 0:
+        raise MlxLlamaError("'max_tokens' must be a non-negative integer")
+    if "template" in entry and entry.get("no_template"):
+        raise MlxLlamaError("'template' and 'no_template' exclude each other")
+    return entry
+
+
+def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job:
+    """The prompts and requests of a checked input line, with the command line's settings as defaults."""
+    if entry.get("no_template"):
+        if settings.compare_template:
+            raise MlxLlamaError("'no_template' cannot be combined with --compare-template")
+        template = NO_TEMPLATE
+    elif "template" in entry:
+        template = choose_template(runtime.chat_template, entry["template"])
+    else:
+        template = settings.template
+    messages = entry["messages"] if "messages" in entry else messages_for(entry["prompt"])
+    messages = with_system(entry.get("system", settings.system), messages)
+    stop = entry.get("stop", settings.stop)
+    overrides = {key: entry[key] for key in ("temperature", "seed") if key in entry}
+    request = Request((), entry.get("max_tokens", settings.max_tokens), settings.params.with_overrides(**overrides),
+                      tuple([stop] if isinstance(stop, str) else stop))
+    job = Job(job_id, [], [])
+    for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
+        prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
+        check_fits(len(prompt.ids), runtime.config.context_length)
+        job.prompts.append(prompt)
+        job.requests.append(Request(prompt.ids, request.max_tokens, request.params, request.stop))
+    return job
+
+
+def read_jobs(lines: Iterable[str], source: str, runtime, settings: BatchSettings, text_input: bool,
+              done: set[str], report: Callable[[str], None]) -> tuple[list[Job], int, int]:
+    """The jobs still to run, in input order; also the number of bad lines (each reported) and of ids done before.
+
+    A plain-text line is a prompt whose id is its line number; blank lines are skipped.
+    """
+    jobs: list[Job] = []
+    first_seen: dict[str, int] = {}
+    errors = already_done = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = {"prompt": line.rstrip("\r\n")} if text_input else parse_entry(line)
+            job_id = entry.get("id", number)
+            key = id_key(job_id)
+            if key in first_seen:
+                raise MlxLlamaError(f"duplicate id {key} (first on line {first_seen[key]})")
+            first_seen[key] = number
+            if key in done:
+                already_done += 1
+                continue
+            jobs.append(build_job(entry, job_id, runtime, settings))
+        except MlxLlamaError as e:
+            report(f"{source}:{number}: {e}")
+            errors += 1
+    return jobs, errors, already_done
+
+
+def id_key(job_id: Any) -> str:
+    # 3 and "3" are different ids; their JSON spellings tell them apart.
+    return json.dumps(job_id, ensure_ascii=False)
+
+
+def read_done(path: str) -> set[str]:
+    """Ids already in a results file, cut back to its last complete line (a killed run may leave half a line)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise MlxLlamaError(f"{path}: cannot read results ({e.strerror})")
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    done = set()
+    for number, line in enumerate(complete.decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            done.add(id_key(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise MlxLlamaError(f"{path}:{number}: not a result line, so this is not a results file to resume")
+    return done
+
+
+class OrderedWriter:
+    """Writes records as JSON lines in job order, each flushed as soon as every earlier one is written."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.waiting: dict[int, dict] = {}
+        self.written = 0
+
+    def put(self, position: int, record: dict) -> None:
+        self.waiting[position] = record
+        while self.written in self.waiting:
+            self.out.write(json.dumps(self.waiting.pop(self.written), ensure_ascii=False) + "\n")
+            self.out.flush()
+            self.written += 1
+
+
+def run_record(prompt: Prompt, result: GenerationResult) -> dict:
+    return {
+        "template": prompt.template,
+        "prompt": prompt.text,
+        "prompt_tokens": len(prompt.ids),
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "timings": result.timings(),
+    }
+
+
+def job_record(job: Job, results: list[GenerationResult]) -> dict:
+    runs = [run_record(prompt, result) for prompt, result in zip(job.prompts, results)]
+    if len(runs) == 1:
+        return {"id": job.id, **runs[0]}
+    return {"id": job.id, "with_template": runs[0], "without_template": runs[1]}
+
+
+class Interruptible:
+    """Turns the first Ctrl-C into a request to stop between steps; a second one interrupts at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+@dataclass
+class BatchStats:
+    prompts: int = 0  # jobs to run this time
+    done: int = 0  # jobs written this time
+    already_done: int = 0  # jobs found in the results file and skipped
+    errors: int = 0  # input lines reported and skipped
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    batch_size: int = 0
+    interrupted: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self, style: str) -> str:
+        fields = {**{k: v for k, v in asdict(self).items() if k != "interrupted"},
+                  "seconds": round(self.seconds, 2), "tokens_per_second": round(self.tokens_per_second, 1)}
+        if style == "json":
+            return json.dumps(fields)
+        if style == "csv":
+            return ",".join(fields) + "\n" + ",".join(map(str, fields.values()))
+        width = max(map(len, fields))
+        return "\n".join(f"{key.replace('_', ' '):<{width}}  {value}" for key, value in fields.items())
+
+
+# Given the number of jobs, a context entered while they run; what it yields is called as each
+# job's record is written (the command line draws a progress bar with it).
+Progress = Callable[[int], ContextManager[Callable[[], None]]]
+
+
+def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress) -> None:
+    """Run the jobs with batched decoding, writing each record in order; Ctrl-C stops after the current step."""
+    requests, owners = [], []
+    for position, job in enumerate(jobs):
+        for run, request in enumerate(job.requests):
+            requests.append(request)
+            owners.append((position, run))
+    results: list[list[GenerationResult | None]] = [[None] * len(job.requests) for job in jobs]
+    writer = OrderedWriter(out)
+    start = time.perf_counter()
+    with progress(len(jobs)) as written, Interruptible() as interrupt:
+        for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size):
+            for index, result in finished:
+                position, run = owners[index]
+                results[position][run] = result
+                stats.prompt_tokens += len(result.prompt_ids)
+                stats.generated_tokens += len(result.token_ids)
+                if all(r is not None for r in results[position]):
+                    writer.put(position, job_record(jobs[position], results[position]))
+                    written()
+            stats.done, stats.seconds = writer.written, time.perf_counter() - start
+            if interrupt.requested:
+                stats.interrupted = True
+                break
+
+
+def run_batch(runtime, lines: Iterable[str], source: str, out_path: str, settings: BatchSettings,
+              report: Callable[[str], None], progress: Progress, text_input: bool = False,
+              batch_size: int = 8) -> BatchStats:
+    """Run the prompts of an input file and append their results to out_path ('-': stdout).
+
+    A bad line is passed to `report` with its line number, and skipped; the others run. Ctrl-C
+    stops the run after the current step (`interrupted` in the stats): the results written are
+    kept, and running again with the same out_path resumes.
+    """
+    done = set() if out_path == "-" else read_done(out_path)
+    try:
+        jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done, report)
+    except UnicodeDecodeError as e:
+        raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
+    stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
+    with nullcontext(sys.stdout) if out_path == "-" else open(out_path, "a", encoding="utf-8") as out:
+        run_jobs(runtime, jobs, out, batch_size, stats, progress)
+    return stats

@@ -1,0 +1,139 @@
+"""Many prompts at once: batched decoding (`batch_generate`, `generate_batch`).
+
+Each prompt is prefilled on its own, exactly as `Runtime.generate` prefills it
+(prefill is already matrix-shaped work, and padding prompts to a common length would waste it),
+and its cache then joins a BatchKVCache as a new row. Every decode step feeds one token per row in
+a single forward pass: each row has its own RoPE position, its own cache length and a mask that
+hides the slots past that length. A row keeps position p in slot p, as a lone sequence does, so
+a row's logits are bit-identical to its one-at-a-time logits: on the CPU backend, matmuls and
+attention give each row the same result whatever the batch around it, and masked slots add
+exact zeros (tests/test_batch.py checks the logits bit for bit, and the greedy ids). On MLX's
+CUDA backend the step goes through the batched kernel (mlxllama.cuda) instead, whose float16
+tensor-core products round each row's inputs differently from one sequence's kernel: there a
+row's logits match its one-at-a-time logits within tests/cuda/test_cuda_step.py's tolerance. A finished
+row leaves the batch at once, and a waiting prompt takes its place. Each row has its own
+sampler, seeded from its own settings, so a row's output with a seed does not depend on the
+batch it runs in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from .errors import MlxLlamaError
+from .generate import GenerationResult, TextCollector, check_fits, prefill
+from .models import Transformer
+from .sampling import SamplingParams, make_sampler
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate: its prompt ids and its own settings."""
+
+    ids: Sequence[int]
+    max_tokens: int = 256
+    params: SamplingParams = SamplingParams()
+    stop: Sequence[str] = ()
+
+
+class _Row:
+    """A sequence being generated: its sampler, ids so far, text and timings."""
+
+    def __init__(self, index: int, request: Request, tokenizer: Tokenizer, context_length: int):
+        self.index, self.request = index, request
+        self.sampler = make_sampler(request.params)
+        self.context = list(request.ids)  # what the repeat penalty looks back on
+        self.ids: list[int] = []
+        self.collector = TextCollector(tokenizer, request.stop)
+        # Like generate_tokens: never run past the model's context.
+        self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
+        self.start = time.perf_counter()
+        self.first_token_time: float | None = None
+
+    def accept(self, token_id: int) -> bool:
+        """Record the next generated id; True once the row is finished."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.ids.append(token_id)
+        self.context.append(token_id)
+        self.collector.add(token_id)
+        return self.collector.finish is not None or len(self.ids) >= self.max_tokens
+
+    def result(self) -> GenerationResult:
+        self.collector.close()
+        return GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids), self.start,
+                                   self.first_token_time)
+
+
+def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request],
+                   batch_size: int = 8) -> Iterator[list[tuple[int, GenerationResult]]]:
+    """Generate every request, up to batch_size rows per decode step, admitting requests in order.
+
+    After each step, yields the requests that finished in it as (index in requests, result),
+    often none, so a caller can write results as they come and stop cleanly between steps.
+    """
+    if batch_size < 1:
+        raise MlxLlamaError("the batch size must be at least 1")
+    for request in requests:
+        check_fits(len(request.ids), model.config.context_length)
+    waiting = deque(enumerate(requests))
+    cache = model.make_batch_cache()
+    rows: list[_Row] = []
+    while rows or waiting:
+        finished = []
+        while waiting and len(rows) < batch_size:
+            row = _Row(*waiting.popleft(), tokenizer, model.config.context_length)
+            if row.max_tokens <= 0:
+                finished.append(row)
+                continue
+            single = model.make_cache()
+            first = row.sampler(prefill(model, row.request.ids, single), row.context)
+            if row.accept(first.item()):
+                finished.append(row)
+                continue
+            for layer, row_layer in zip(cache, single):
+                layer.add(row_layer)
+            rows.append(row)
+        if rows:
+            logits = model.step(mx.array([[row.ids[-1]] for row in rows]), cache)
+            tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(rows)]).tolist()
+            done = [row.accept(token) for row, token in zip(rows, tokens)]
+            if any(done):
+                finished += [row for row, d in zip(rows, done) if d]
+                keep = [i for i, d in enumerate(done) if not d]
+                rows = [rows[i] for i in keep]
+                for layer in cache:
+                    layer.keep(keep)
+        yield [(row.index, row.result()) for row in finished]
+
+
+def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], max_tokens: int = 256,
+                   params: SamplingParams = SamplingParams(), stop: Sequence[str] = (), batch_size: int = 8,
+                   special: bool = False, **sampling) -> list[GenerationResult]:
+    """Generate for many prompts with batched decoding; the results come in prompt order.
+
+    runtime is what `mlxllama.load` returns. A prompt is a string (tokenized with BOS and no
+    template; `special` parses control tokens in it), a list of token ids, or a Request with
+    settings of its own (the other settings apply to the others). Sampling keywords (the fields of
+    SamplingParams) override `params`. With temperature 0 and no repeat penalty each result's ids
+    equal `runtime.generate`'s for that prompt.
+    """
+    params = params.with_overrides(**sampling)
+
+    def request(prompt) -> Request:
+        if isinstance(prompt, Request):
+            return prompt
+        ids = runtime.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
+        return Request(ids, max_tokens, params, tuple(stop))
+
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size):
+        for index, result in finished:
+            results[index] = result
+    return results

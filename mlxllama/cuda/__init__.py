@@ -1,0 +1,32 @@
+"""The CUDA backend: the decode step as one kernel a layer (README.md beside this file).
+
+Imported only by runtime.load, when MLX runs on CUDA and the kernels are not turned off, so a
+Metal or CPU user never reads a .cu file or loads the CUDA driver.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..models.transformer import DecodeStep, Transformer
+from ..quantized_layers import NativeLinear
+from .step import KernelStep, device_limits
+
+
+def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
+    """The kernels' decode step for a model whose every projection keeps an affine weight
+    (quantized_layers.NativeLinear) and whose shapes the kernels take, else None."""
+    c = model.config
+    layers = [layer for block in model.blk for layer in block.children().values() if not isinstance(layer, nn.RMSNorm)]
+    head = model.token_embd if c.tied_output else model.output
+    if not all(isinstance(layer, NativeLinear) for layer in layers + [head]):
+        return None
+    # Each lane of the attention kernel holds head_dim / 32 dims; float32 compute is untested on CUDA.
+    if c.head_dim % 32 or model.compute_dtype == mx.float32:
+        return None
+    device = device_limits()
+    return KernelStep(model, fallback, *device) if device else None
+
+
+__all__ = ["KernelStep", "kernel_step"]

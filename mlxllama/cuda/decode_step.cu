@@ -1,0 +1,656 @@
+// Kernels of step.py: one decode step of one sequence, one launch a layer (layer_kernel)
+// and one for the output head (head_kernel). decode_batch.cu, which follows this file in its
+// kernels' header, decodes several sequences with the helpers here.
+//
+// Included as the header of MLX custom kernels (mx.fast.cuda_kernel), whose generated bodies are
+// one call each to a *_kernel function below; the names in those calls are the kernels' inputs
+// and outputs and their template arguments. Weights are in MLX's affine format (quants.py): each
+// row packs BITS-bit values little-endian into uint32 words, and every 32 values share a float16
+// scale and bias (value = scale * q + bias; without stored biases, bias = -128 * scale).
+//
+// A block first stages its input vector in shared memory (normalized by RMSNorm where the kernel
+// starts with a norm), then each warp computes a few whole output rows. Accumulation is in float32.
+
+constexpr int GROUP = 32;
+// Shared-memory stride of a group of staged inputs: with 36 floats, the 8 lanes that a 16-byte
+// shared load serves at once, each reading its own group, hit 8 different sets of 4 banks.
+constexpr int GROUP_STRIDE = 36;
+
+// -infinity without math.h, which MLX's run-time compilation (NVRTC) does not include.
+__device__ inline float negative_infinity() {
+  return __int_as_float(0xff800000);
+}
+
+__device__ inline float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v += __shfl_xor_sync(0xffffffff, v, offset);
+  }
+  return v;
+}
+
+// L1 caches are not coherent between SMs: what other blocks wrote earlier in the same launch
+// (layer_kernel) is read from L2.
+template <typename T>
+__device__ inline float load_fresh(const T* p) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float, or a 16-bit float type");
+  if constexpr (sizeof(T) == 4) {
+    return __ldcg(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return static_cast<float>(*reinterpret_cast<const T*>(&bits));
+  }
+}
+
+// Threads a block of head_kernel (step.py launches it so): as a constant, the staging
+// loops unroll and issue all their loads at once.
+constexpr int THREADS = 256;
+
+__device__ inline float* shared_floats() {
+  extern __shared__ float4 shared_memory[];  // float4: 16-byte aligned
+  return reinterpret_cast<float*>(shared_memory);
+}
+
+// Staged value k of the input.
+__device__ inline float& staged(float* smem, int k) {
+  return smem[k / GROUP * GROUP_STRIDE + k % GROUP];
+}
+
+// After the values: the sum of each group, which the group's bias multiplies.
+template <int K, int NT = THREADS>
+__device__ void stage_group_sums(float* smem) {
+  __syncthreads();
+  float* gsum = smem + K / GROUP * GROUP_STRIDE;
+  for (int g = threadIdx.x; g < K / GROUP; g += NT) {
+    const float4* group = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GROUP / 4; ++i) {
+      const float4 v = group[i];
+      sum += (v.x + v.y) + (v.z + v.w);
+    }
+    gsum[g] = sum;
+  }
+  __syncthreads();
+}
+
+// This thread's values of src [K] (k = threadIdx.x + i * NT; 0 past K), read from L2
+// (load_fresh): unrolled, so all the loads are issued before the first is used.
+template <int K, int NT, typename T>
+__device__ inline void load_spread(const T* src, float (&out)[(K + NT - 1) / NT]) {
+#pragma unroll
+  for (int i = 0; i < (K + NT - 1) / NT; ++i) {
+    const int k = threadIdx.x + i * NT;
+    out[i] = k < K ? load_fresh(src + k) : 0.0f;
+  }
+}
+
+// The input x (times 1 / rms(x) * norm_w when NORM), read from L2.
+template <bool NORM, int K, int NT = THREADS, typename T, typename N>
+__device__ void stage_input(const T* x, const N* norm_w, float eps, float* smem) {
+  constexpr int per_thread = (K + NT - 1) / NT;
+  float v[per_thread], w[per_thread];
+  load_spread<K, NT>(x, v);
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int k = threadIdx.x + i * NT;
+    w[i] = NORM && k < K ? static_cast<float>(norm_w[k]) : 1.0f;
+  }
+  if (NORM) {
+    float* scratch = smem + K / GROUP * (GROUP_STRIDE + 1);
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+      squares += v[i] * v[i];
+    }
+    squares = warp_sum(squares);
+    if (threadIdx.x % 32 == 0) {
+      scratch[threadIdx.x / 32] = squares;
+    }
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NT / 32; ++i) {
+      total += scratch[i];
+    }
+    const float inv_rms = rsqrtf(total / K + eps);
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+      v[i] *= inv_rms * w[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int k = threadIdx.x + i * NT;
+    if (k < K) {
+      staged(smem, k) = v[i];
+    }
+  }
+  stage_group_sums<K, NT>(smem);
+}
+
+// SiLU(gate) * up, the input of the down projection (layer_kernel), read from L2.
+template <int K, int NT>
+__device__ void stage_swiglu(const float* gate, const float* up, float* smem) {
+  constexpr int per_thread = (K + NT - 1) / NT;
+  float g[per_thread], u[per_thread];
+  load_spread<K, NT>(gate, g);
+  load_spread<K, NT>(up, u);
+#pragma unroll
+  for (int i = 0; i < per_thread; ++i) {
+    const int k = threadIdx.x + i * NT;
+    if (k < K) {
+      staged(smem, k) = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+  }
+  stage_group_sums<K, NT>(smem);
+}
+
+// One group's BITS words: 16-byte loads where the group's offset allows them.
+template <int BITS>
+__device__ inline void load_group(const uint32_t* src, uint32_t* words) {
+  if constexpr (BITS % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) {
+      uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      words[4 * i] = v.x;
+      words[4 * i + 1] = v.y;
+      words[4 * i + 2] = v.z;
+      words[4 * i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) {
+      words[i] = src[i];
+    }
+  }
+}
+
+// Value j of a group whose BITS-bit fields fill `words` (indices are compile-time once unrolled),
+// made a float by placing it in the mantissa of 2^23: two integer operations and an add instead
+// of a quarter-rate conversion.
+template <int BITS>
+__device__ inline float field(const uint32_t* words, int j) {
+  const int bit = j * BITS, word = bit / 32, shift = bit % 32;
+  uint32_t v = words[word] >> shift;
+  if (shift + BITS > 32) {
+    v |= words[word + 1] << (32 - shift);
+  }
+  return __uint_as_float(0x4B000000u | (v & ((1u << BITS) - 1))) - 8388608.0f;
+}
+
+// out[r] = row rows[r] of an affine matrix with K columns times the staged input, for R rows at
+// once, in every lane. A lane takes groups lane, lane + 32, ...; it loads the words, scales and
+// biases of up to BATCH of its groups for all R rows (8 groups in all) before it computes, so
+// those loads are in flight together.
+template <int BITS, bool STORED_BIASES, int K, int R, typename S>
+__device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, const int* rows, const float* smem,
+                         float* out) {
+  constexpr int groups = K / GROUP, per_lane = (groups + 31) / 32, most = 8 / R > 0 ? 8 / R : 1;
+  constexpr int BATCH = per_lane < most ? per_lane : most;
+  const float* gsum = smem + groups * GROUP_STRIDE;
+  const int lane = threadIdx.x % 32;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.0f;
+  }
+#pragma unroll
+  for (int base = 0; base < per_lane; base += BATCH) {
+    uint32_t words[BATCH][R][BITS];
+    float scale[BATCH][R], bias[BATCH][R];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int g = lane + 32 * (base + b);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (base + b < per_lane && g < groups) {
+          load_group<BITS>(w + static_cast<size_t>(rows[r]) * (K / 32 * BITS) + g * BITS, words[b][r]);
+          const size_t at = static_cast<size_t>(rows[r]) * groups + g;
+          scale[b][r] = static_cast<float>(scales[at]);
+          bias[b][r] = STORED_BIASES ? static_cast<float>(biases[at]) : -128.0f * scale[b][r];
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int g = lane + 32 * (base + b);
+      if (base + b < per_lane && g < groups) {
+        float x[GROUP];
+        const float4* xg = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
+#pragma unroll
+        for (int i = 0; i < GROUP / 4; ++i) {
+          const float4 v = xg[i];
+          x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int j = 0; j < GROUP; ++j) {
+            dot += x[j] * field<BITS>(words[b][r], j);
+          }
+          acc[r] += scale[b][r] * dot + bias[b][r] * gsum[g];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    out[r] = warp_sum(acc[r]);
+  }
+}
+
+// Rows first, first + 1, ... first + R - 1 in `rows`; past the last row, the last row again
+// (read, never written).
+template <int R>
+__device__ inline void rows_from(int first, int total_rows, int* rows) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    rows[r] = min(first + r, total_rows - 1);
+  }
+}
+
+// The output head: y = W RMSNorm(x), R consecutive rows a warp.
+template <int BITS, bool STORED_BIASES, int K, int R, typename T, typename N, typename S, typename O>
+__device__ void head_kernel(const T* x, const N* norm_w, const float* eps, const uint32_t* w, const S* scales,
+                            const S* biases, int total_rows, O* y) {
+  float* smem = shared_floats();
+  stage_input<true, K>(x, norm_w, eps[0], smem);
+  const int first = (blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * R;
+  if (first >= total_rows) {
+    return;
+  }
+  int rows[R];
+  rows_from<R>(first, total_rows, rows);
+  float out[R];
+  rows_dot<BITS, STORED_BIASES, K, R>(w, scales, biases, rows, smem, out);
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (first + r < total_rows) {
+        y[first + r] = static_cast<O>(out[r]);
+      }
+    }
+  }
+}
+
+// The dims of pair i of a head (HEAD_DIM / 2 pairs) and whether RoPE turns them. A pair is two
+// rows that RoPE rotates together: adjacent ones (TRADITIONAL, llama's permuted weights) or
+// ROPE_DIM / 2 apart (NeoX); a head's dims past ROPE_DIM, and all of V's (rope false), stay as they are.
+template <int ROPE_DIM, bool TRADITIONAL>
+__device__ inline bool pair_dims(int i, bool rope, int& d0, int& d1) {
+  d0 = 2 * i, d1 = 2 * i + 1;
+  if (!rope) {
+    return false;
+  }
+  if (TRADITIONAL) {
+    return d0 < ROPE_DIM;
+  }
+  if (i < ROPE_DIM / 2) {
+    d0 = i, d1 = i + ROPE_DIM / 2;
+    return true;
+  }
+  d0 = ROPE_DIM + 2 * (i - ROPE_DIM / 2), d1 = d0 + 1;
+  return false;
+}
+
+// Pair i (dims d0, d1) of `head` of Q, K or V (part 0, 1, 2) made final from its products y0, y1:
+// plus the rows' biases (BIAS), turned by RoPE at position `pos` (rotate). Q's go to q
+// [HEADS * HEAD_DIM]; K's and V's into slot `pos` of the cache buffers keys/values
+// [KV_HEADS][capacity][HEAD_DIM] of one sequence, in place (step.py says why).
+template <bool BIAS, int HEAD_DIM, typename B, typename C>
+__device__ inline void store_pair(int part, int head, int i, int d0, int d1, bool rotate, float y0, float y1, int pos,
+                                  const B* bias_q, const B* bias_k, const B* bias_v, const float* inv_freq,
+                                  const float* attn_factor, float* q, const C* keys, const C* values, int capacity) {
+  if (BIAS) {
+    const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
+    y0 += static_cast<float>(bias[head * HEAD_DIM + d0]);
+    y1 += static_cast<float>(bias[head * HEAD_DIM + d1]);
+  }
+  if (rotate) {
+    float sin_t, cos_t;
+    sincosf(static_cast<float>(pos) * inv_freq[i], &sin_t, &cos_t);
+    cos_t *= attn_factor[0];
+    sin_t *= attn_factor[0];
+    const float a = y0 * cos_t - y1 * sin_t, b = y0 * sin_t + y1 * cos_t;
+    y0 = a, y1 = b;
+  }
+  if (part == 0) {
+    q[head * HEAD_DIM + d0] = y0;
+    q[head * HEAD_DIM + d1] = y1;
+  } else {
+    C* cache = const_cast<C*>(part == 1 ? keys : values);
+    const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
+    cache[slot + d0] = static_cast<C>(y0);
+    cache[slot + d1] = static_cast<C>(y1);
+  }
+}
+
+// Step 1 of layer_kernel for one warp: pair `pair` of rows of Q, K or V (pairs of Q's heads, then
+// K's, then V's) times the staged normalized input, made final by store_pair.
+template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C>
+__device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
+                              const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
+                              const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
+                              const int32_t* position, const float* inv_freq, const float* attn_factor,
+                              const C* keys, const C* values, int capacity, float* q) {
+  constexpr int half = HEAD_DIM / 2;
+  constexpr int q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
+  const int part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
+  const int part_pair = pair - (part == 0 ? 0 : (part == 1 ? q_pairs : q_pairs + kv_pairs));
+  const int head = part_pair / half, i = part_pair % half;
+  int d0, d1;
+  const bool rotate = pair_dims<ROPE_DIM, TRADITIONAL>(i, part < 2, d0, d1);
+  const int rows[2] = {head * HEAD_DIM + d0, head * HEAD_DIM + d1};
+  float y[2];
+  if (part == 0) {
+    rows_dot<Q_BITS, Q_BIASES, K, 2>(w_q, s_q, b_q, rows, smem, y);
+  } else if (part == 1) {
+    rows_dot<K_BITS, K_BIASES, K, 2>(w_k, s_k, b_k, rows, smem, y);
+  } else {
+    rows_dot<V_BITS, V_BIASES, K, 2>(w_v, s_v, b_v, rows, smem, y);
+  }
+  if (threadIdx.x % 32 == 0) {
+    store_pair<BIAS, HEAD_DIM>(part, head, i, d0, d1, rotate, y[0], y[1], position[0], bias_q, bias_k, bias_v,
+                               inv_freq, attn_factor, q, keys, values, capacity);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// layer_kernel: a whole layer in one launch, its five steps separated by grid-wide barriers.
+
+// One block an SM (step.py launches as many blocks as the GPU has SMs), so that every block
+// is resident at once and a block waiting at a barrier never keeps another from running.
+constexpr int LAYER_THREADS = 512, LAYER_WARPS = LAYER_THREADS / 32;
+
+// The launch's warps counted across blocks first, so that consecutive work items go to different SMs.
+__device__ inline int grid_warp() {
+  return threadIdx.x / 32 * gridDim.x + blockIdx.x;
+}
+
+__device__ inline int grid_warps() {
+  return LAYER_WARPS * gridDim.x;
+}
+
+// Every block waits until all have arrived. `arrivals` counts the arrivals of all launches since
+// it was made zero; every launch using it has the same grid, so before each barrier it is a
+// multiple of the grid size, and this barrier completes at the next multiple.
+__device__ inline void grid_barrier(unsigned long long* arrivals) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long arrived = atomicAdd(arrivals, 1ull) + 1;
+    const unsigned long long target = (arrived + gridDim.x - 1) / gridDim.x * gridDim.x;
+    unsigned long long seen;
+    do {
+      asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();
+}
+
+__device__ inline float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
+  }
+  return v;
+}
+
+// Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
+template <int BYTES> struct Raw;
+template <> struct Raw<2> { using type = unsigned short; };
+template <> struct Raw<4> { using type = unsigned int; };
+template <> struct Raw<8> { using type = uint2; };
+template <> struct Raw<16> { using type = uint4; };
+
+// One warp's attention of a query (q: HEAD_DIM scaled values in shared memory) over the cache
+// slots [begin, end) of its KV head: an online softmax over chunks of 32 slots, each lane scoring
+// one slot of a chunk. out = (weighted values [HEAD_DIM], max score, sum of exponentials).
+// Each lane loads its dims of every slot of a chunk (or of half of one) before it adds the first:
+// one wait for L2 a chunk, not one a slot.
+template <int HEAD_DIM, typename C>
+__device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out) {
+  static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
+  constexpr int per_lane = HEAD_DIM / 32;
+  using Dims = typename Raw<per_lane * sizeof(C)>::type;
+  const int lane = threadIdx.x % 32;
+  float running_max = negative_infinity(), sum_exp = 0.0f, acc[per_lane];
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    acc[j] = 0.0f;
+  }
+  // Slots whose dims a lane loads at once: all 32 of a chunk where registers allow.
+  constexpr int at_once = per_lane <= 2 ? 32 : 16;
+  for (int chunk = begin; chunk < end; chunk += 32) {
+    const auto load_dims = [&](int t) {
+      const int s = min(chunk + t, end - 1);
+      return __ldcg(reinterpret_cast<const Dims*>(v_head + static_cast<size_t>(s) * HEAD_DIM + lane * per_lane));
+    };
+    const int slot = chunk + lane;
+    // Past `end`, the last slot's values, which a weight of 0 leaves out.
+    Dims dims[32];
+#pragma unroll
+    for (int t = 0; t < at_once; ++t) {
+      dims[t] = load_dims(t);
+    }
+    float score = negative_infinity();
+    if (slot < end) {
+      const uint4* k = reinterpret_cast<const uint4*>(k_head + static_cast<size_t>(slot) * HEAD_DIM);
+      score = 0.0f;
+#pragma unroll
+      for (int i = 0; i < HEAD_DIM / 8; ++i) {
+        const uint4 packed = __ldcg(k + i);
+        const C* eight = reinterpret_cast<const C*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          score += q[8 * i + j] * static_cast<float>(eight[j]);
+        }
+      }
+    }
+    const float new_max = fmaxf(running_max, warp_max(score));
+    const float correction = expf(running_max - new_max);
+    const float p = slot < end ? expf(score - new_max) : 0.0f;
+    sum_exp = sum_exp * correction + warp_sum(p);
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      acc[j] *= correction;
+    }
+#pragma unroll
+    for (int t = 0; t < 32; ++t) {
+      if (t % at_once == 0 && t > 0) {
+#pragma unroll
+        for (int u = t; u < t + at_once; ++u) {
+          dims[u] = load_dims(u);
+        }
+      }
+      const float p_t = __shfl_sync(0xffffffff, p, t);
+      const C* v = reinterpret_cast<const C*>(&dims[t]);
+#pragma unroll
+      for (int j = 0; j < per_lane; ++j) {
+        acc[j] += p_t * static_cast<float>(v[j]);
+      }
+    }
+    running_max = new_max;
+  }
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    out[lane * per_lane + j] = acc[j];
+  }
+  if (lane == 0) {
+    out[HEAD_DIM] = running_max;
+    out[HEAD_DIM + 1] = sum_exp;
+  }
+}
+
+// One warp combines a head's runs (partials [splits][HEAD_DIM + 2], none empty) into its output.
+template <int HEAD_DIM>
+__device__ void combine_runs(const float* partials, int splits, float* out) {
+  constexpr int stride = HEAD_DIM + 2, per_lane = HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
+  float top = negative_infinity();
+  for (int s = lane; s < splits; s += 32) {
+    top = fmaxf(top, __ldcg(partials + s * stride + HEAD_DIM));
+  }
+  top = warp_max(top);
+  float den = 0.0f, num[per_lane];
+  for (int s = lane; s < splits; s += 32) {
+    den += __ldcg(partials + s * stride + HEAD_DIM + 1) * expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
+  }
+  den = warp_sum(den);
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    num[j] = 0.0f;
+  }
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {  // unrolled, so that eight runs' loads are in flight together
+    const float weight = expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      num[j] += weight * __ldcg(partials + s * stride + lane * per_lane + j);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    out[lane * per_lane + j] = num[j] / den;
+  }
+}
+
+// Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
+// positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its cache in
+// keys/values [seqs][KV_HEADS][capacity][HEAD_DIM] (the new slot written). Each head's slots are
+// cut into runs of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp
+// takes a (sequence, head, run) item, and the last warp done with a head combines its runs into
+// attn [seqs][HEADS * HEAD_DIM]. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a
+// count for each sequence and head, all zero before and after.
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename C>
+__device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
+                                const C* keys, const C* values, int capacity, unsigned int* runs_done, float* smem) {
+  const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
+  float* q_scaled = smem + threadIdx.x / 32 * HEAD_DIM;
+  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
+  for (int item = warp; item < seqs * HEADS * MAX_RUNS; item += warps) {
+    const int r = item / (seqs * HEADS), seq = item % (seqs * HEADS) / HEADS, head = item % HEADS;
+    const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
+    const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
+    if (r >= runs) {
+      continue;
+    }
+    const int kv_head = head / (HEADS / KV_HEADS), seq_head = seq * HEADS + head;
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
+    }
+    __syncwarp();
+    const size_t kv_offset = (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity * HEAD_DIM;
+    float* head_partials = partials + static_cast<size_t>(seq_head) * MAX_RUNS * (HEAD_DIM + 2);
+    attention_run<HEAD_DIM>(q_scaled, keys + kv_offset, values + kv_offset, r * run, min(r * run + run, slots),
+                            head_partials + r * (HEAD_DIM + 2));
+    __threadfence();
+    __syncwarp();
+    unsigned int done = 0;
+    if (lane == 0) {
+      done = atomicAdd(runs_done + seq_head, 1u) + 1;
+    }
+    if (__shfl_sync(0xffffffff, done, 0) == runs) {
+      __threadfence();
+      combine_runs<HEAD_DIM>(head_partials, runs, attn + seq_head * HEAD_DIM);
+      if (lane == 0) {
+        runs_done[seq_head] = 0;
+      }
+    }
+  }
+}
+
+// One layer of one sequence's decode step, y = the layer's output for input x (both float32):
+//   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pair);
+//   2. attention, a warp for each head and run of slots; the last warp done with a head combines its runs;
+//   3. output projection + residual -> h;
+//   4. RMSNorm, gate and up -> gate, up;
+//   5. SiLU(gate) * up, down projection + residual -> y.
+// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn,
+// h, gate and up (float32 each). It and `sync` are inputs that the kernel writes: step.py
+// allocates them once for all layers, since every output costs MLX an allocation a launch.
+// `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head, its
+// runs done so far (made zero again by the warp that combines them); all zero when first used.
+template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
+          int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
+          int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B, typename C>
+__device__ void layer_kernel(const float* x, const N* attn_norm, const float* eps, const uint32_t* w_q, const S* s_q,
+                             const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
+                             const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
+                             const int32_t* position, const float* inv_freq, const float* attn_factor,
+                             const C* keys, const C* values, int capacity, const uint32_t* w_o, const S* s_o,
+                             const S* b_o, const N* ffn_norm, const uint32_t* w_gate, const S* s_gate,
+                             const S* b_gate, const uint32_t* w_up, const S* s_up, const S* b_up,
+                             const uint32_t* w_down, const S* s_down, const S* b_down, const uint32_t* sync,
+                             const float* scratch, float* y) {
+  float* q = const_cast<float*>(scratch);
+  float* partials = q + HEADS * HEAD_DIM;
+  float* attn = partials + HEADS * MAX_RUNS * (HEAD_DIM + 2);
+  float* h = attn + HEADS * HEAD_DIM;
+  float* gate = h + HIDDEN;
+  float* up = gate + FFN;
+  float* smem = shared_floats();
+  unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
+  unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
+  const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
+
+  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);
+  for (int pair = warp; pair < (HEADS + 2 * KV_HEADS) * HEAD_DIM / 2; pair += warps) {
+    qkv_rope_pair<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
+                  TRADITIONAL, HIDDEN>(pair, smem, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q, bias_k,
+                                       bias_v, position, inv_freq, attn_factor, keys, values, capacity, q);
+  }
+  grid_barrier(arrivals);
+
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, keys, values, capacity,
+                                                       runs_done, smem);
+  grid_barrier(arrivals);
+
+  stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
+  for (int row = warp; row < HIDDEN; row += warps) {
+    float dot;
+    rows_dot<O_BITS, O_BIASES, HEADS * HEAD_DIM, 1>(w_o, s_o, b_o, &row, smem, &dot);
+    if (lane == 0) {
+      h[row] = x[row] + dot;
+    }
+  }
+  grid_barrier(arrivals);
+
+  // Gate and up rows as separate items of FFN_ROWS rows each, whose loads a warp issues together.
+  stage_input<true, HIDDEN, LAYER_THREADS>(h, ffn_norm, eps[0], smem);
+  constexpr int ffn_items = (FFN + FFN_ROWS - 1) / FFN_ROWS;
+  for (int item = warp; item < 2 * ffn_items; item += warps) {
+    const bool is_up = item >= ffn_items;
+    const int first = (item - (is_up ? ffn_items : 0)) * FFN_ROWS;
+    int rows[FFN_ROWS];
+    rows_from<FFN_ROWS>(first, FFN, rows);
+    float out[FFN_ROWS];
+    if (is_up) {
+      rows_dot<UP_BITS, UP_BIASES, HIDDEN, FFN_ROWS>(w_up, s_up, b_up, rows, smem, out);
+    } else {
+      rows_dot<GATE_BITS, GATE_BIASES, HIDDEN, FFN_ROWS>(w_gate, s_gate, b_gate, rows, smem, out);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < FFN_ROWS; ++r) {
+        if (first + r < FFN) {
+          (is_up ? up : gate)[first + r] = out[r];
+        }
+      }
+    }
+  }
+  grid_barrier(arrivals);
+
+  stage_swiglu<FFN, LAYER_THREADS>(gate, up, smem);
+  for (int row = warp; row < HIDDEN; row += warps) {
+    float dot;
+    rows_dot<DOWN_BITS, DOWN_BIASES, FFN, 1>(w_down, s_down, b_down, &row, smem, &dot);
+    if (lane == 0) {
+      y[row] = load_fresh(h + row) + dot;
+    }
+  }
+}

@@ -1,0 +1,122 @@
+"""The contract between Python and the kernel files, in one place.
+
+The kernels' constants are read from the .cu files themselves, so the two sides cannot disagree.
+Each kernel's parameters are listed here by name in the order of its C++ signature: MLX passes a
+kernel's inputs under their names, and an entry that is not an input is a value MLX provides
+(an input's shape) or the output. The shared-memory sizes mirror how the kernels carve theirs.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..models import ModelConfig
+
+
+def _read(name: str) -> str:
+    return Path(__file__).with_name(name).read_text()
+
+
+def _stripped(text: str) -> str:
+    """A kernel file without comments and blank lines: MLX hashes the source at every launch."""
+    return "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("//"))
+
+
+def _constant(text: str, name: str) -> int:
+    match = re.search(rf"\bconstexpr int (?:\w+ = \w+, )*{name} = (\d+)\b", text)
+    if match is None:
+        raise RuntimeError(f"no `constexpr int {name}` in the kernel source")
+    return int(match.group(1))
+
+
+_STEP_SOURCE, _BATCH_SOURCE = _read("decode_step.cu"), _read("decode_batch.cu")
+HEADER = _stripped(_STEP_SOURCE)
+BATCH_HEADER = HEADER + "\n" + _stripped(_BATCH_SOURCE)
+
+GROUP = _constant(_STEP_SOURCE, "GROUP")  # values that share a scale and bias
+GROUP_STRIDE = _constant(_STEP_SOURCE, "GROUP_STRIDE")  # shared-memory floats a staged group takes
+HEAD_THREADS = _constant(_STEP_SOURCE, "THREADS")  # a block of head_kernel
+LAYER_THREADS = _constant(_STEP_SOURCE, "LAYER_THREADS")  # a block of layer_kernel and batch_layer_kernel
+SEQ_TILE = _constant(_BATCH_SOURCE, "SEQ_TILE")  # sequences of one tensor-core product
+# Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
+MAX_BATCH = 2 * SEQ_TILE
+FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
+
+# Values MLX passes with the inputs: the cache's capacity in slots, and the number of sequences.
+CAPACITY, ROWS = "keys_shape[2]", "x_shape[0]"
+_ATTENTION = ("attn_norm", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v", "s_v", "b_v", "bias_q",
+              "bias_k", "bias_v", "position", "inv_freq", "attn_factor", "keys", "values", CAPACITY)
+_FEED_FORWARD = ("w_o", "s_o", "b_o", "ffn_norm", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "w_down",
+                 "s_down", "b_down", "sync", "scratch", "y")
+LAYER_PARAMETERS = ("x", *_ATTENTION, *_FEED_FORWARD)  # decode_step.cu's layer_kernel
+BATCH_LAYER_PARAMETERS = ("x", ROWS, *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
+HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "scales", "biases", "ROWS", "y")  # decode_step.cu's head_kernel
+# Template parameters both layer kernels take, in their order (batch_layer_kernel has NT first, and
+# layer_kernel FFN_ROWS before MAX_RUNS).
+LAYER_TEMPLATE = ("Q_BITS", "Q_BIASES", "K_BITS", "K_BIASES", "V_BITS", "V_BIASES", "BIAS", "HEADS", "KV_HEADS",
+                  "HEAD_DIM", "ROPE_DIM", "TRADITIONAL", "HIDDEN", "O_BITS", "O_BIASES", "GATE_BITS", "GATE_BIASES",
+                  "UP_BITS", "UP_BIASES", "DOWN_BITS", "DOWN_BIASES", "FFN")
+HEAD_TEMPLATE = ("BITS", "STORED_BIASES", "K", "R")
+
+
+def inputs_of(parameters: tuple[str, ...], outputs: tuple[str, ...] = ("y",)) -> tuple[str, ...]:
+    """The parameters that are kernel inputs: not values MLX provides, outputs or template
+    constants (upper case, as ROWS of head_kernel)."""
+    return tuple(p for p in parameters if p not in (CAPACITY, ROWS, *outputs) and not p.isupper())
+
+
+@cache
+def kernel(function: str, parameters: tuple[str, ...], template: tuple[str, ...], shared_floats: int,
+           batch: bool = False, outputs: tuple[str, ...] = ("y",)):
+    """The MLX kernel whose body calls `function` with `parameters`, its template arguments named `template`."""
+    call = f"{function}<{', '.join(template)}>({', '.join(parameters)});"
+    return mx.fast.cuda_kernel(name=function.removesuffix("_kernel"), input_names=list(inputs_of(parameters, outputs)),
+                               output_names=list(outputs), source=call, header=BATCH_HEADER if batch else HEADER,
+                               shared_memory=4 * shared_floats)
+
+
+def staged_floats(k: int) -> int:
+    """decode_step.cu's shared memory for an input of k values: staged values, group sums, scratch."""
+    return k // GROUP * GROUP_STRIDE + k // GROUP + GROUP + 1
+
+
+def layer_shared_floats(c: ModelConfig) -> int:
+    """layer_kernel's shared memory: the largest staged input, or the attention's queries."""
+    return max(staged_floats(c.hidden_size), staged_floats(c.ffn_size), staged_floats(c.n_heads * c.head_dim),
+               LAYER_THREADS // 32 * c.head_dim)
+
+
+def batch_stride(k: int) -> int:
+    """decode_batch.cu's batch_stride."""
+    return k + (32 if k % 64 == 0 else 0)
+
+
+def batch_shared_floats(c: ModelConfig, tiles: int) -> int:
+    """batch_layer_kernel's shared memory for `tiles` * 8 sequences: two matrices' fragments of
+    every warp, then the largest staged input (float16 values, float32 group sums) or the attention's queries."""
+    seqs = tiles * SEQ_TILE
+    staged = max(seqs * batch_stride(k) // 2 + seqs * k // GROUP
+                 for k in (c.hidden_size, c.n_heads * c.head_dim, c.ffn_size))
+    return 2 * LAYER_THREADS * tiles * 4 + max(staged, LAYER_THREADS // 32 * c.head_dim)
+
+
+def max_runs(blocks: int, items: int) -> int:
+    """Runs of slots a head's attention may be cut into, so that `items` (sequence, head) pairs
+    give each warp of the grid at least one run."""
+    return max(1, blocks * (LAYER_THREADS // 32) // items)
+
+
+def layer_scratch_floats(c: ModelConfig, runs: int) -> int:
+    """layer_kernel's scratch input: q, partials, attn, h, gate, up."""
+    q_dim = c.n_heads * c.head_dim
+    return 2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size
+
+
+def batch_scratch_floats(c: ModelConfig, tiles: int, runs: int) -> int:
+    """batch_layer_kernel's scratch input: q, partials, attn, h, and act (float16, two a float)."""
+    q_dim = c.n_heads * c.head_dim
+    return tiles * SEQ_TILE * (2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + c.ffn_size // 2)

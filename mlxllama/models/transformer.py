@@ -1,0 +1,222 @@
+"""The pre-norm decoder with SwiGLU that the supported architectures share (Llama 1/2/3, Mistral,
+Qwen2, Phi-3), and its decode step.
+
+Module and parameter names mirror GGUF tensor names (`blk.0.attn_q.weight`), so the loader's
+weights load by name and a tensor can be followed from the file to the layer that uses it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import BatchKVCache, KVCache, SlotCache, causal_mask, make_batch_cache, make_cache
+from .config import ModelConfig
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm whose output is in the compute type.
+
+    Its float32 weight would otherwise promote what follows to float32: on a GPU every product
+    would run as float32 instead of float16 on tensor cores (pp512 on an H100: docs/benchmarks.md).
+    The residual stream it reads stays float32, as llama.cpp keeps it.
+    """
+
+    def __init__(self, dims: int, eps: float, compute_dtype: mx.Dtype):
+        super().__init__(dims, eps=eps)
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x).astype(self.compute_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype):
+        super().__init__()
+        self.config = config
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.attn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+        q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim
+        # A file that fuses Q/K/V or gate/up (Phi-3) loads into the fused layer; fusion.py stacks
+        # the separate ones of other files where their weights share one form.
+        if config.fused_qkv:
+            self.attn_qkv = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=config.attn_bias)
+        else:
+            self.attn_q = nn.Linear(hidden, q_dim, bias=config.attn_bias)
+            self.attn_k = nn.Linear(hidden, kv_dim, bias=config.attn_bias)
+            self.attn_v = nn.Linear(hidden, kv_dim, bias=config.attn_bias)
+        self.attn_output = nn.Linear(config.n_heads * head_dim, hidden, bias=False)
+        self.ffn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+        if config.fused_gate_up:
+            self.ffn_gate_up = nn.Linear(hidden, 2 * config.ffn_size, bias=False)
+        else:
+            self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
+            self.ffn_up = nn.Linear(hidden, config.ffn_size, bias=False)
+        self.ffn_down = nn.Linear(config.ffn_size, hidden, bias=False)
+        # Underscored: constants derived from the config, not weights to load.
+        self._rope_freqs = rope_freqs(config)
+        self._rope_attn_scale = rope_attn_scale(config)
+
+    def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        c = self.config
+        batch, length, _ = x.shape
+        if "attn_qkv" in self:
+            q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            q, k, v = mx.split(self.attn_qkv(x), [q_dim, q_dim + kv_dim], axis=-1)
+        else:
+            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q = q.reshape(batch, length, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        # A BatchKVCache's offset is an array: one position per row.
+        position = cache.offset if cache is not None else 0
+        base = c.rope_base if self._rope_freqs is None else None  # MLX takes one or the other
+        rope = dict(traditional=c.rope_traditional, base=base, scale=c.rope_scale, offset=position, freqs=self._rope_freqs)
+        q = mx.fast.rope(q, c.rope_dim, **rope)
+        k = mx.fast.rope(k, c.rope_dim, **rope)
+        if self._rope_attn_scale is not None:
+            scale = self._rope_attn_scale.astype(q.dtype)
+            q, k = q * scale, k * scale
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        # The fused kernel handles grouped-query attention (fewer KV heads) itself.
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=c.head_dim**-0.5, mask=mask)
+        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        h = x + self.attention(self.attn_norm(x), mask, cache)
+        return h + self.mlp(self.ffn_norm(h))
+
+    def mlp(self, x: mx.array) -> mx.array:
+        if "ffn_gate_up" in self:
+            gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
+        else:
+            gate, up = self.ffn_gate(x), self.ffn_up(x)
+        return self.ffn_down(nn.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype = mx.float32):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blk = [Block(config, compute_dtype) for _ in range(config.n_layers)]
+        self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
+        if not config.tied_output:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # What serves `step`: the compiled MLX step below, unless runtime.load chose a backend's own
+        # (mlxllama.cuda's kernels), which hands what it does not take back to this one.
+        self.decode_step: DecodeStep = CompiledStep(self)
+
+    def make_cache(self) -> list[KVCache]:
+        """A fresh cache for one sequence, one entry a layer."""
+        return make_cache(len(self.blk))
+
+    def make_batch_cache(self) -> list[BatchKVCache]:
+        """A fresh cache for rows of different lengths (batching.py), one entry a layer."""
+        return make_batch_cache(len(self.blk))
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
+        """tokens [batch, length] -> logits [batch, length, vocab] (float32).
+
+        With a BatchKVCache every row continues from its own length (its own positions and mask).
+        """
+        return self.head(self.hidden_states(tokens, cache))
+
+    def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
+        """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
+        h = self.token_embd(tokens).astype(mx.float32)
+        mask = cache[0].mask(tokens.shape[1]) if cache else causal_mask(tokens.shape[1])
+        for i, block in enumerate(self.blk):
+            h = block(h, mask, cache[i] if cache else None)
+        return h
+
+    def step(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab]
+        (float32), the same as `self(tokens, cache)[:, -1]`; the cache advances by one position."""
+        return self.decode_step(tokens, cache)
+
+    def head(self, h: mx.array) -> mx.array:
+        """The last layer's hidden states -> logits (float32)."""
+        h = self.output_norm(h)
+        logits = self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)
+        return logits.astype(mx.float32)
+
+
+class DecodeStep(Protocol):
+    uses_kernels: bool  # a backend's own kernels (mlxllama.cuda) rather than MLX's operations
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array: ...
+
+    def takes(self, rows: int) -> bool:
+        """Whether this step is the fast way to decode `rows` sequences of one cache at once."""
+
+
+class CompiledStep:
+    """The plain MLX decode step, compiled.
+
+    The step reads and writes the cache's whole fixed-size buffers (cache.SlotCache), so its shapes
+    stay the same from token to token and one traced graph, with its element-wise operations fused,
+    serves every step until the buffers grow (every cache.GROWTH_STEP positions). An empty cache
+    and a BatchKVCache (rows of different lengths, batching.py) go through the plain forward pass.
+    It holds the model weakly: a model that held a function holding the model would live until
+    Python's cycle collector ran, keeping its weights in memory.
+    """
+
+    uses_kernels = False
+
+    def __init__(self, model: Transformer):
+        model_ref = weakref.ref(model)
+        self.model = model_ref
+        self._compiled = mx.compile(lambda *args: _step(model_ref(), *args))
+
+    def takes(self, rows: int) -> bool:
+        # Several rows compile too, but ran 15% slower than uncompiled at 16 on an H100 (docs/benchmarks.md).
+        return rows == 1
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        model = self.model()
+        if cache[0].keys is None or isinstance(cache[0], BatchKVCache):
+            return model(tokens, cache)[:, -1]
+        for layer in cache:
+            layer.make_room(tokens.shape[1])
+        buffers = [a for layer in cache for a in (layer.keys, layer.values)]
+        logits, *buffers = self._compiled(tokens, mx.array(cache[0].offset), *buffers)
+        for i, layer in enumerate(cache):
+            layer.keys, layer.values = buffers[2 * i], buffers[2 * i + 1]
+            layer.advance(tokens.shape[1])
+        return logits
+
+
+def _step(model: Transformer, tokens: mx.array, position: mx.array, *buffers: mx.array) -> list[mx.array]:
+    slots = [SlotCache(k, v, position) for k, v in zip(buffers[::2], buffers[1::2])]
+    logits = model(tokens, slots)[:, -1]
+    return [logits] + [a for layer in slots for a in (layer.keys, layer.values)]
+
+
+def rope_freqs(config: ModelConfig) -> mx.array | None:
+    """MLX's `freqs` for RoPE with per-pair factors (rope_periods); None for plain RoPE, which MLX
+    computes from the base itself."""
+    return None if config.rope_freq_factors is None else rope_periods(config)
+
+
+def rope_periods(config: ModelConfig) -> mx.array:
+    """Pair i turns by position / periods[i] (before the position scale): base ** (2i / rope_dim),
+    times llama.cpp's per-pair factor i where the file has them (llama.cpp divides the angle by it)."""
+    exponents = mx.arange(0, config.rope_dim, 2, dtype=mx.float32) / config.rope_dim
+    periods = config.rope_base**exponents
+    if config.rope_freq_factors is not None:
+        periods = periods * mx.array(config.rope_freq_factors, dtype=mx.float32)
+    return periods
+
+
+def rope_attn_scale(config: ModelConfig) -> mx.array | None:
+    """llama.cpp scales the rotated dims' cos/sin by the attention factor; the other dims stay as they are."""
+    if config.rope_attn_factor == 1.0:
+        return None
+    rest = config.head_dim - config.rope_dim
+    return mx.array([config.rope_attn_factor] * config.rope_dim + [1.0] * rest, dtype=mx.float32)

@@ -1,0 +1,108 @@
+"""Native mode's layers: projections and embeddings that keep the file's quantized weights.
+
+Each quantized matrix is re-expressed in MLX's affine format (quants.to_affine) and the nn.Linear
+that uses it becomes a NativeLinear with that tensor's bits, so one model mixes types the way the
+file does (a Q4_K_M file holds Q4_K and Q6_K). The token embedding is only ever looked up, so
+unless it doubles as the output layer it keeps the file's own blocks (tensors.Blocks) and decodes
+the rows it needs, bit-exactly. weights.py swaps these in; the model classes stay plain.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+import mlx.core as mx
+import mlx.nn as nn
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .quants import AFFINE_GROUP_SIZE, AffineWeight, decode_blocks, symmetric_biases
+from .tensors import Blocks
+
+# On a GPU, from this many rows on (prefill) a call expands its weight to float16 and uses the dense
+# matmul: on an H100, MLX's (0.32) quantized matmul is the faster one up to 64 rows and 2.5 times
+# slower at 512 (benchmarks/matmul_paths.py, dispatch_sweep.py; docs/benchmarks.md).
+DENSE_MIN_ROWS = 128
+# Types whose weights a GPU always expands: decoding a Q3_K model through MLX's CUDA quantized matmul
+# drifted from llama.cpp (the greedy and "Rome" parity tests failed) while the expanded weight passes.
+GPU_EXPANDED_TYPES = frozenset({GGMLQuantizationType.Q3_K})
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in the file's blocks; a lookup decodes only the rows it gathers."""
+
+    def __init__(self, table: Blocks):
+        super().__init__()
+        self.weight = table.data
+        self.block_bytes = GGML_QUANT_SIZES[table.qtype][1]
+        # Compiled, the decoder's dozen elementwise steps run as a few fused kernels.
+        self._decode = mx.compile(partial(decode_blocks, qtype=table.qtype))
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = self.weight[ids]
+        return self._decode(rows.reshape(-1, self.block_bytes)).reshape(*ids.shape, -1)
+
+
+class NativeLinear(nn.Module):
+    """A projection whose weight stays in MLX's affine format (quants.AffineWeight).
+
+    Without stored biases (the 8-bit symmetric grid of Q6_K and Q3_K) the biases, -128 x scales,
+    are derived on each call, which keeps the weight at 8.5 bits instead of 9.
+    """
+
+    def __init__(self, weight: AffineWeight, output_bias: bool):
+        super().__init__()
+        self.weight, self.scales, self.bits, self.qtype = weight.weight, weight.scales, weight.bits, weight.qtype
+        self.expand_rows = 1 if weight.qtype in GPU_EXPANDED_TYPES else DENSE_MIN_ROWS
+        if weight.biases is not None:
+            self.biases = weight.biases
+        if output_bias:
+            self.bias = mx.zeros((weight.weight.shape[0],))
+
+    @classmethod
+    def stack(cls, layers: list[NativeLinear]) -> NativeLinear | None:
+        """One layer whose output rows are the layers' outputs, in order; None unless their weights
+        have one form (bits, stored biases or not, device path)."""
+        first = layers[0]
+        if any(layer.bits != first.bits or layer.expand_rows != first.expand_rows
+               or ("biases" in layer) != ("biases" in first) for layer in layers):
+            return None
+        arrays = [mx.concatenate([layer[n] for layer in layers]) if n in first else None
+                  for n in ("weight", "scales", "biases")]
+        return cls(AffineWeight(*arrays, first.bits, first.qtype), output_bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        biases = self.biases if "biases" in self else symmetric_biases(self.scales)
+        # As one 2-D product: on an H100 a [batch, 1, in] input made batched decoding 3.8 times
+        # slower than the same rows as [batch, in].
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= self.expand_rows and mx.default_device() == mx.gpu:
+            w = mx.dequantize(self.weight, self.scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+            y = rows @ w.astype(x.dtype).T
+        else:
+            y = mx.quantized_matmul(rows, self.weight, self.scales, biases, transpose=True,
+                                    group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y + self.bias if "bias" in self else y
+
+
+class TiedEmbedding(NativeLinear):
+    """A quantized token table that is also the output layer (the model's head calls as_linear).
+
+    The output is NativeLinear's product, so it takes the same device paths as every other
+    projection (GPU_EXPANDED_TYPES included); a lookup dequantizes only the rows it gathers.
+    """
+
+    as_linear = NativeLinear.__call__
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        scales = self.scales[ids]
+        biases = self.biases[ids] if "biases" in self else symmetric_biases(scales)
+        return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+
+
+def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Module:
+    """The layer that takes `weight` in place of `module` (an nn.Linear or nn.Embedding)."""
+    if isinstance(weight, Blocks):
+        return BlockEmbedding(weight)
+    if isinstance(module, nn.Embedding):
+        return TiedEmbedding(weight, output_bias=False)
+    return NativeLinear(weight, "bias" in module)

@@ -1,0 +1,56 @@
+"""The one weight loader: a GGUF file's tensors into its architecture's model, block by block.
+
+Native and dequantized modes share this path and differ only in the per-tensor conversion
+(tensors.convert): native mode keeps quantized matrices quantized and swaps the layers that use
+them for their quantized counterparts (quantized_layers.py). A tensor the file fuses (Phi-3's Q/K/V)
+loads into the model's fused layer as it is; separate Q/K/V and gate/up are stacked by fusion.py
+as soon as their block is complete, since a decode step on a GPU is bound by its kernel launches.
+
+Each tensor is converted and evaluated before the next is read, and a block's parts and their
+fused copy never sit next to all the other weights, so the load peak stays at the finished
+weights plus one tensor's intermediates.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from .fusion import fuse_block
+from .gguf_file import GGUFFile
+from .models import Architecture, ModelConfig, Transformer
+from .quantized_layers import quantized_layer
+from .quants import AffineWeight
+from .tensors import Blocks, Weight, convert
+
+
+def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
+               native: bool = True) -> Transformer:
+    """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
+    its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized."""
+    model = architecture.build(config, dtype)
+    names = architecture.tensors(config)
+    groups = [f"blk.{i}." for i in range(config.n_layers)] + [None]
+    for prefix in groups:
+        part = {name: entry for name, entry in names.items()
+                if (name.startswith(prefix) if prefix else not name.startswith("blk."))}
+        _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
+                                         lookup_only=name == "token_embd.weight" and not config.tied_output)
+                      for name, (parameter, shape) in part.items()})
+        if prefix:
+            fuse_block(model.blk[groups.index(prefix)])
+    return model
+
+
+def _load(model: nn.Module, weights: dict[str, Weight]) -> None:
+    """Swap in the quantized layers that `weights` names and load its dense tensors."""
+
+    def swap(path: str, module: nn.Module) -> nn.Module:
+        weight = weights.get(f"{path}.weight")
+        return quantized_layer(module, weight) if isinstance(weight, (AffineWeight, Blocks)) else module
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    # Dense tensors and the biases of quantized layers; the swapped layers already hold the rest.
+    # Not strict: the architecture's tensor table names every parameter, and read_config checked their shapes.
+    model.load_weights([(n, w) for n, w in weights.items() if isinstance(w, mx.array)], strict=False)

@@ -1,0 +1,36 @@
+"""The measurement scripts in benchmarks/ that the documented GPU results came from, run as a
+maintainer runs them and kept in step with the code they instrument (their GPU runs cannot happen in CI)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import REPO, find_fixture_model
+
+
+def run_script(*args: str) -> str:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def test_layer_timeline_stamps_the_start_each_barrier_and_the_end_of_the_layer_kernel():
+    timed = run_script("benchmarks/layer_timeline.py", "--header-only")
+    body = timed.split("unsigned long long* times) {")[1]
+    # Stamp 0 at the start, 2i+1 and 2i+2 around barrier i, 9 at the end: the order report() reads them in.
+    assert [int(i) for i in re.findall(r"stamp\(times, (\d+)\)", body)] == list(range(10))
+    assert body.count("grid_barrier(arrivals);") == 4
+
+
+def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
+    out = tmp_path / "host_time.json"
+    run_script("benchmarks/host_time.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--reps", "3",
+               "--tokens", "6", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 6 and len(report["reps"]) == 3
+    for rep in report["reps"]:
+        # The host's part and the wait are two disjoint parts of a step: together no longer than the step.
+        step_us = 1e6 / rep["tokens_per_second"]
+        assert 0 < rep["host_us_per_step"] and 0 <= rep["wait_us_per_step"]
+        assert rep["host_us_per_step"] + rep["wait_us_per_step"] <= step_us

@@ -1,0 +1,210 @@
+"""`mlxllama trace`: per-layer statistics, the top tokens of each pass, dumps and their comparison."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlxllama
+from conftest import REFERENCE, find_fixture_model
+from mlxllama.cli import main
+from mlxllama.errors import MlxLlamaError
+from mlxllama.trace import compare_dumps, dump_names, trace
+
+ITALY = "The capital of Italy is"
+# llama.cpp's dumps of ITALY (BOS, no template), made by scripts/dump_llama_cpp_trace.py.
+LLAMA_CPP_DUMPS = REFERENCE / "trace"
+
+
+@lru_cache(maxsize=1)
+def chat_tiny():
+    return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    runtime = chat_tiny()
+    monkeypatch.setattr("mlxllama.cli.load_model", lambda path: runtime)
+    return lambda *args: CliRunner().invoke(main, list(args))
+
+
+def test_passes_report_real_positions_cache_lengths_and_greedy_tokens():
+    m = chat_tiny()
+    ids = m.tokenize(ITALY)
+    result = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=4, top_k=3)
+    greedy = m.generate(ids, max_tokens=3).token_ids
+    assert [p.token_ids for p in result.passes] == [ids] + [[t] for t in greedy]
+    assert [(p.first_position, p.cache_length) for p in result.passes] == [(0, 6), (6, 7), (7, 8), (8, 9)]
+    assert [p.top[0].token_id for p in result.passes[:3]] == greedy
+    assert result.passes[0].top[0].text == " Rome"
+    first = result.passes[0]
+    assert list(first.stats) == ["embd"] + [f"layer_{i:03d}_{k}" for i in range(6) for k in ("attn", "mlp", "resid")]
+
+
+def test_traced_logits_are_the_model_logits():
+    """trace walks the layers itself; its logits must be those of one ordinary forward pass."""
+    m = chat_tiny()
+    ids = m.tokenize(ITALY)
+    result = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=3, top_k=5)
+    full = m.logits(result.token_ids)
+    for p in result.passes:
+        row = full[p.cache_length - 1]
+        assert [c.token_id for c in p.top] == list(np.argsort(-row, kind="stable")[:5])
+        np.testing.assert_allclose([c.logit for c in p.top], row[[c.token_id for c in p.top]], rtol=1e-5, atol=1e-4)
+
+
+def test_dump_holds_each_layers_pieces(tmp_path):
+    m = chat_tiny()
+    result = CliRunner().invoke(main, ["trace", "-p", ITALY, "--no-template", "--steps", "3", "--dump",
+                                       str(tmp_path / "d")], catch_exceptions=False)
+    assert result.exit_code == 0
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["token_ids"][:6] == m.tokenize(ITALY) and len(meta["token_ids"]) == 8 and meta["prompt_length"] == 6
+    assert (meta["n_layers"], meta["hidden_size"], meta["dtype"]) == (6, 256, "float32")
+    rows = {name: np.load(tmp_path / "d" / f"{name}.npy") for name in dump_names(tmp_path / "d")}
+    assert len(rows) == 1 + 6 * 3 and all(r.shape == (8, 256) and r.dtype == np.float32 for r in rows.values())
+    # attn and mlp are what each layer adds to the residual stream.
+    previous = rows["embd"]
+    for i in range(6):
+        expected = previous + rows[f"layer_{i:03d}_attn"] + rows[f"layer_{i:03d}_mlp"]
+        np.testing.assert_allclose(rows[f"layer_{i:03d}_resid"], expected, rtol=1e-5, atol=1e-3)
+        previous = rows[f"layer_{i:03d}_resid"]
+    # The last residual stream, through the output head, gives the model's logits.
+    logits = np.array(m.model.head(mx.array(previous)))
+    np.testing.assert_allclose(logits, m.logits(meta["token_ids"]), rtol=1e-4, atol=1e-3)
+
+
+def test_text_report_and_json(cli):
+    result = cli("trace", "-p", ITALY, "--no-template", "--steps", "2", "--top-k", "2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[1] == "pass 1: prompt, positions 0-5 (6 tokens), cache length 6"
+    assert lines[2].split() == ["layer", "rms", "min", "max", "mean"]
+    assert lines[3].split()[0] == "embd" and lines[4].split()[0] == "0.attn" and lines[21].split()[0] == "5.resid"
+    assert lines[22].startswith('  next: 9184 " Rome" 21.')
+    assert lines[23] == 'pass 2: token 9184 " Rome" at position 6, cache length 7'
+    payload = json.loads(cli("trace", "-p", ITALY, "--no-template", "--json").output)
+    assert payload["prompt_ids"] == chat_tiny().tokenize(ITALY) and len(payload["passes"]) == 1
+    stats = payload["passes"][0]["stats"]["layer_000_resid"]
+    assert set(stats) == {"rms", "min", "max", "mean"} and stats["min"] <= stats["mean"] <= stats["max"]
+
+
+def test_template_is_applied_unless_no_template(cli):
+    payload = json.loads(cli("trace", "-p", "What is the capital of Japan?", "--json").output)
+    assert payload["template"] == "gguf (zephyr)" and len(payload["prompt_ids"]) == 24
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "ours"
+    result = CliRunner().invoke(main, ["trace", "-p", ITALY, "--no-template", "--steps", "4", "--dump", str(path)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_a_dump_matches_itself(cli, dump):
+    result = cli("trace", "--compare", str(dump), str(dump))
+    assert result.exit_code == 0
+    assert "no divergence" in result.output.splitlines()[-1]
+
+
+def perturbed_copy(dump, tmp_path, from_layer: int, position: int, scale: float) -> Path:
+    """A copy of `dump` with every tensor from layer `from_layer` on changed at `position` and after."""
+    copy = tmp_path / "perturbed"
+    shutil.copytree(dump, copy)
+    rng = np.random.default_rng(0)
+    for name in dump_names(copy):
+        if name != "embd" and int(name[6:9]) >= from_layer:
+            rows = np.load(copy / f"{name}.npy")
+            rows[position:] += scale * np.linalg.norm(rows[position:], axis=1, keepdims=True) * rng.standard_normal(
+                rows[position:].shape) / np.sqrt(rows.shape[1])
+            np.save(copy / f"{name}.npy", rows)
+    return copy
+
+
+def test_compare_names_the_first_diverging_layer_and_position(cli, dump, tmp_path):
+    other = perturbed_copy(dump, tmp_path, from_layer=3, position=4, scale=0.5)
+    comparison = compare_dumps(dump, other)
+    first = comparison.first_divergence
+    assert (first.name, first.first_diverging) == ("layer_003_attn", 4)
+    result = cli("trace", "--compare", str(other), str(dump))
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1].startswith(
+        "first divergence: layer 3.attn (layer_003_attn.npy) at position 4: error 0.")
+
+
+def test_differences_below_the_tolerance_are_not_divergence(cli, dump, tmp_path):
+    other = perturbed_copy(dump, tmp_path, from_layer=0, position=0, scale=0.01)
+    assert cli("trace", "--compare", str(other), str(dump)).exit_code == 0
+    assert cli("trace", "--compare", str(other), str(dump), "--tolerance", "0.001").exit_code == 1
+
+
+def test_compare_uses_the_positions_and_files_both_dumps_have(dump, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(dump, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["token_ids"][7] += 1  # as if the other implementation had generated another token there
+    (other / "meta.json").write_text(json.dumps(meta))
+    (other / "layer_005_mlp.npy").unlink()
+    comparison = compare_dumps(dump, other)
+    assert comparison.positions == 7 and comparison.first_divergence is None
+    assert "layer_005_mlp" not in [d.name for d in comparison.layers]
+    assert "the token ids differ from position 7 on; only the positions before it are compared" in comparison.notes
+    assert any("layer_005_mlp" in note for note in comparison.notes)
+
+
+def test_incomplete_dump_is_a_clear_error(cli, dump, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(dump, broken)
+    (broken / "meta.json").unlink()
+    result = cli("trace", "--compare", str(dump), str(broken))
+    assert result.exit_code == 2 and "meta.json" in result.output
+    assert cli("trace").exit_code == 2  # neither --prompt nor --compare
+
+
+@pytest.mark.parametrize("quant, tolerance", [("Q4_K_M", 0.1), ("F16", 0.003)])
+def test_our_dump_agrees_with_llama_cpps(quant, tolerance, tmp_path):
+    """llama.cpp's dump, made by another implementation in the documented format, compares with ours.
+
+    With F16 weights the two agree to a few 1e-4; with Q4_K_M llama.cpp's CPU backend rounds
+    activations to 8 bits for the quantized products, which the default tolerance allows for.
+    """
+    model = find_fixture_model(f"chat-tiny-{quant}.gguf")
+    ours = tmp_path / "ours"
+    result = CliRunner().invoke(main, ["trace", "-m", str(model), "-p", ITALY, "--no-template", "--dump", str(ours)])
+    assert result.exit_code == 0, result.output
+    comparison = compare_dumps(ours, LLAMA_CPP_DUMPS / f"llama_cpp-chat-tiny-{quant}", tolerance)
+    assert comparison.positions == 6 and len(comparison.layers) == 19 and not comparison.notes
+    longer = tmp_path / "longer"
+    CliRunner().invoke(main, ["trace", "-m", str(model), "-p", ITALY, "--no-template", "--steps", "2", "--dump",
+                              str(longer)])
+    notes = compare_dumps(longer, LLAMA_CPP_DUMPS / f"llama_cpp-chat-tiny-{quant}", tolerance).notes
+    assert notes == ["the dumps have 7 and 6 positions; the first 6 are compared"]
+    assert comparison.first_divergence is None, max(d.max_error for d in comparison.layers)
+
+
+def test_a_dump_cut_short_by_ctrl_c_is_refused_not_mixed_up(dump, tmp_path, monkeypatch):
+    """Rewriting a dump directory takes its meta.json away first: an interrupted write leaves no dump to misread."""
+    target = tmp_path / "again"
+    shutil.copytree(dump, target)
+    saved = []
+
+    def save_then_interrupt(path, rows):
+        if len(saved) == 3:
+            raise KeyboardInterrupt
+        saved.append(path)
+        np.save(path, rows)
+
+    monkeypatch.setattr("mlxllama.trace.np.save", save_then_interrupt)
+    result = CliRunner().invoke(main, ["trace", "-p", ITALY, "--no-template", "--dump", str(target)])
+    assert result.exit_code == 130 and len(saved) == 3
+    assert not (target / "meta.json").exists()
+    with pytest.raises(MlxLlamaError, match="meta.json"):
+        compare_dumps(target, dump)

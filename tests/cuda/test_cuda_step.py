@@ -1,0 +1,239 @@
+"""The CUDA decode kernels (mlxllama.cuda) against the plain decode step, on every quantized fixture.
+
+These run only where MLX runs on CUDA (the GPU scripts in benchmarks/ run them); elsewhere the
+kernels are never used and the tests skip. The greedy and llama.cpp parity tests of
+tests/unit/test_generation.py go through the kernels too when they run on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxllama
+from mlxllama.batching import Request, batch_generate
+from mlxllama.cuda import KernelStep, kernels
+from mlxllama.generate import prefill
+from mlxllama.prompt import Template, build_prompt, messages_for
+from mlxllama.quants import to_affine
+
+from conftest import find_fixture_model
+
+on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
+
+MODELS = ["chat-tiny-Q4_K_M.gguf", "chat-tiny-Q4_0.gguf", "chat-tiny-Q5_K_M.gguf", "chat-tiny-Q6_K.gguf",
+          "chat-tiny-Q8_0.gguf", "chat-tiny-Q2_K.gguf", "chat-tiny-Q3_K_M.gguf", "mistral-tiny-Q4_K_M.gguf",
+          "llama3-tiny-Q6_K.gguf", "qwen2-tiny-Q8_0.gguf", "phi3-tiny-Q5_K_M.gguf", "phi3-longrope-tiny-Q8_0.gguf"]
+MODELS += [f"types-tiny-{t}.gguf" for t in
+           ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]]
+PROMPT = [1, 1724, 338, 278, 7483, 310, 5546, 29973]
+STEPS = 12
+# Mean KL divergence between the two steps' next-token distributions: both compute in float16,
+# the kernels round less often (they keep normalized inputs and RoPE in float32).
+MAX_KL = 1e-3
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+@on_cuda
+@pytest.mark.parametrize("name", MODELS)
+def test_kernel_step_matches_the_plain_step(name):
+    runtime = mlxllama.load(find_fixture_model(name))
+    assert isinstance(runtime.model.decode_step, KernelStep)
+    assert_steps_match(runtime.model, runtime.model.decode_step, [i % runtime.config.vocab_size for i in PROMPT])
+
+
+@on_cuda
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_kernel_step_over_many_runs_of_slots(blocks):
+    """300 cached slots: each head's attention split into runs of one chunk (32 slots) on the whole
+    GPU, and on 3 blocks into fewer runs of several chunks each."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    step = runtime.model.decode_step
+    if blocks is not None:
+        step = KernelStep(runtime.model, step.fallback, blocks)
+    ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, 300).tolist()
+    assert_steps_match(runtime.model, step, ids)
+
+
+def assert_steps_match(model, kernel_step, ids: list[int]):
+    """STEPS greedy steps after `ids` through kernel_step and through the plain step, side by side."""
+    caches = model.make_cache(), model.make_cache()
+    for cache in caches:
+        model(mx.array([ids]), cache)
+    token = mx.array([[ids[-1]]])
+    kls = []
+    for step in range(STEPS):
+        got = np.array(kernel_step(token, caches[0])[0])
+        want = np.array(kernel_step.fallback(token, caches[1])[0])
+        assert caches[0][0].offset == caches[1][0].offset == len(ids) + step + 1
+        p, q = softmax(want.astype(np.float64)), softmax(got.astype(np.float64))
+        kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
+        assert np.argmax(got) == np.argmax(want) or np.max(want) - want[np.argmax(got)] < 0.05, step
+        token = mx.array([[int(np.argmax(want))]])
+    assert np.mean(kls) < MAX_KL, kls
+    # The kernels wrote the same keys and values into the cache as the plain step.
+    filled = len(ids) + STEPS
+    for layer_a, layer_b in zip(*caches):
+        for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
+            a, b = np.array(a[..., :filled, :], np.float32), np.array(b[..., :filled, :], np.float32)
+            np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
+
+
+# Models for the batched kernel: 4-bit with stored biases and Q6_K layers (8-bit, none stored),
+# 5-bit (the generic unpacking), NeoX RoPE with Q/K/V biases and a tied head, head dims 32 and 64;
+# row counts that fill one tile of 8 sequences, part of one, and part of two.
+BATCHED = [("chat-tiny-Q4_K_M.gguf", 3), ("chat-tiny-Q4_K_M.gguf", 16), ("phi3-tiny-Q5_K_M.gguf", 8),
+           ("qwen2-tiny-Q8_0.gguf", 11)]
+
+
+@on_cuda
+@pytest.mark.parametrize("name,rows", BATCHED)
+def test_batched_kernel_step_matches_the_plain_forward(name, rows):
+    """Rows of different lengths (a BatchKVCache, as batch decoding has them, one row past 64
+    slots) through the batched kernel and through the plain forward pass, side by side."""
+    runtime = mlxllama.load(find_fixture_model(name))
+    model, kernel_step = runtime.model, runtime.model.decode_step
+    assert kernel_step.takes(rows)
+    rng = np.random.default_rng(rows)
+    prompts = [rng.integers(3, runtime.config.vocab_size, 3 + 5 * i + (70 if i == 1 else 0)).tolist()
+               for i in range(rows)]
+    caches = model.make_batch_cache(), model.make_batch_cache()
+    tokens = []
+    for ids in prompts:
+        single = model.make_cache()
+        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
+        for a, b, row in zip(*caches, single):
+            a.add(row)
+            b.add(row)
+    kls = []
+    for step in range(STEPS):
+        got = np.array(kernel_step(mx.array(tokens), caches[0]))
+        want = np.array(kernel_step.fallback(mx.array(tokens), caches[1]))
+        assert caches[0][0].lengths == caches[1][0].lengths == [len(p) + step + 1 for p in prompts]
+        for row in range(rows):
+            p, q = softmax(want[row].astype(np.float64)), softmax(got[row].astype(np.float64))
+            kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
+            assert np.argmax(got[row]) == np.argmax(want[row]) or np.max(want[row]) - want[row, np.argmax(got[row])] < 0.05
+        tokens = [[int(t)] for t in np.argmax(want, axis=-1)]
+    assert np.mean(kls) < MAX_KL, kls
+    for layer_a, layer_b in zip(*caches):
+        for row, length in enumerate(layer_a.lengths):
+            for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
+                a, b = np.array(a[row, :, :length], np.float32), np.array(b[row, :, :length], np.float32)
+                np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
+
+
+@on_cuda
+def test_batch_of_equal_rows_through_the_kernels_and_alone():
+    """A KVCache of 9 identical rows (as bench decodes them) gives each row the one-sequence kernel's logits."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    model = runtime.model
+    batched, alone = model.make_cache(), model.make_cache()
+    model(mx.array([PROMPT] * 9), batched)
+    model(mx.array([PROMPT]), alone)
+    token = PROMPT[-1]
+    for step in range(STEPS):
+        got = np.array(model.step(mx.array([[token]] * 9), batched))
+        want = np.array(model.step(mx.array([[token]]), alone))[0]
+        assert batched[0].offset == alone[0].offset == len(PROMPT) + step + 1
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=0.05 * np.abs(want).max())
+        token = int(np.argmax(want))
+
+
+@on_cuda
+def test_batch_generate_through_the_kernels_as_rows_finish():
+    """batch_generate on CUDA: 10 rows (two tiles of 8 sequences), then fewer as rows finish, down
+    to one (the one-sequence kernel on a BatchKVCache row); each row's greedy ids are those of the
+    prompt decoded alone."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    # The file's template as is: the GPU scripts run the tests from a checkout, without the built-in templates' package.
+    template = Template("gguf", runtime.chat_template)
+    questions = ["What is the capital of Japan?", "What is 17 plus 25?", "What is the capital of France?",
+                 "What color is the sky?", "Name a fruit.", "What is 3 times 4?"]
+    prompts = [build_prompt(runtime.tokenizer, template, messages_for(q)).ids for q in questions]
+    prompts += [runtime.tokenize(t) for t in ["The capital of Italy is", "Once upon a time", "1, 2, 3, 4,", "Hello"]]
+    max_tokens = [16, 12, 3, 20, 9, 5, 7, 14, 2, 24]
+    alone = [runtime.generate(ids, max_tokens=n).token_ids for ids, n in zip(prompts, max_tokens)]
+    kernel_step, rows_seen = runtime.model.decode_step, set()
+
+    class CountingStep:
+        uses_kernels, takes = True, kernel_step.takes
+
+        def __call__(self, tokens, cache):
+            rows_seen.add(tokens.shape[0])
+            return kernel_step(tokens, cache)
+
+    runtime.model.decode_step = CountingStep()
+    batched = batch_generate(runtime, [Request(ids, n) for ids, n in zip(prompts, max_tokens)], batch_size=10)
+    assert [r.token_ids for r in batched] == alone
+    assert batched[0].text == "The capital of Japan is Tokyo."
+    assert {10, 1} <= rows_seen and any(1 < n < 9 for n in rows_seen)
+
+
+@on_cuda
+def test_kernel_step_is_off_for_dequantized_models():
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
+    assert not runtime.model.decode_step.uses_kernels
+
+
+def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_memory():
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    plain = runtime.model.decode_step
+    h100 = KernelStep(runtime.model, plain, blocks=132, shared_bytes=232448)
+    assert h100.takes(1) and h100.takes(2) and h100.takes(16) and not h100.takes(17)
+    small = KernelStep(runtime.model, plain, blocks=132, shared_bytes=48 * 1024)
+    assert small.takes(1) and not small.takes(2)
+    # 16 rows of TinyLlama-1.1B's shapes: the down projection's 5632 inputs each, in float16 (~220 KB in all).
+    tinyllama = replace(runtime.config, hidden_size=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_size=5632)
+    assert 200_000 < 4 * kernels.batch_shared_floats(tinyllama, 2) <= 232448
+
+
+def test_kernel_step_is_off_without_cuda():
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    assert runtime.model.decode_step.uses_kernels == (mx.cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def test_projections_of_fused_layers_are_the_files_tensors():
+    """The kernels read Q, K, V (and gate, up) as row ranges of the fused layers: each range must be
+    exactly the file's tensor, so the kernels are built here (no kernel runs) and compared."""
+    path = find_fixture_model("chat-tiny-Q4_K_M.gguf")
+    runtime = mlxllama.load(path)
+    step = KernelStep(runtime.model, runtime.model.decode_step, blocks=132)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    fused_blocks = [i for i, block in enumerate(runtime.model.blk) if "attn_qkv" in block]
+    assert fused_blocks and "ffn_gate_up" in runtime.model.blk[0]
+    for i in fused_blocks[:2]:
+        for part, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("gate", "ffn_gate"), ("up", "ffn_up")):
+            tensor = tensors[f"blk.{i}.{name}.weight"]
+            want = to_affine(tensor.data, tensor.tensor_type, tuple(int(n) for n in reversed(tensor.shape)))
+            got = step.layers[i][part]
+            assert got.bits == want.bits and got.stored_biases == (want.biases is not None)
+            assert got.cols == int(tensor.shape[0]) and got.rows == int(tensor.shape[1])
+            for a, b in ((got.weight, want.weight), (got.scales, want.scales)):
+                np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=f"blk.{i}.{name}")
+
+
+def test_rope_inverse_frequencies_match_mlx_rope():
+    """inv_freq[i] * position is the angle MLX's RoPE (the plain step's path) turns pair i by."""
+    runtime = mlxllama.load(find_fixture_model("phi3-longrope-tiny-Q8_0.gguf"), context_length=256)
+    c = runtime.config
+    step = KernelStep(runtime.model, runtime.model.decode_step, blocks=132)
+    position, half = 37, c.rope_dim // 2
+    # Row i is 1 at dim i: NeoX pair (i, i + rope_dim / 2) turns it to (cos, sin) of pair i's angle.
+    x = mx.eye(c.rope_dim)[:half].reshape(1, half, 1, c.rope_dim)
+    freqs = runtime.model.blk[0]._rope_freqs
+    rotated = np.array(mx.fast.rope(x, c.rope_dim, traditional=False, base=None if freqs is not None else c.rope_base,
+                                    scale=c.rope_scale, offset=position, freqs=freqs))[0, :, 0]
+    angles = np.arctan2(rotated[np.arange(half), np.arange(half) + half], rotated[np.arange(half), np.arange(half)])
+    want = np.angle(np.exp(1j * position * np.array(step.inv_freq, np.float64)))
+    assert c.rope_freq_factors is not None and len(set(c.rope_freq_factors)) > 1
+    np.testing.assert_allclose(angles, want, atol=1e-4)

@@ -1,0 +1,185 @@
+"""Native mode: GGML blocks in MLX's affine format, checked value by value and against llama.cpp.
+
+The default load is native, so test_llama_parity.py holds native mode to llama.cpp on every
+fixture; here the conversion itself is checked, and the --dequantize mode keeps its parity.
+"""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import mlxllama
+import mlxllama.fusion
+from mlxllama.fusion import stacked
+from mlxllama.quantized_layers import BlockEmbedding, NativeLinear, TiedEmbedding, quantized_layer
+from mlxllama.tensors import Blocks
+from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
+
+from conftest import find_fixture_model
+from test_llama_parity import PROMPTS, REFERENCES, assert_logits_match, reference
+
+QUANT_NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+# Types whose scale is a file float16 as it is (and whose bias a power-of-two multiple of it or a file float16).
+EXACT = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.IQ4_NL, QT.Q3_K}
+FP16_HALF_ULP = 2.0**-11  # relative rounding of a normal float16
+FP16_SUBNORMAL_STEP = 2.0**-24
+
+
+def test_every_quantized_type_has_an_affine_form():
+    assert AFFINE_TYPES == {QT[name] for name in QUANT_NAMES}
+
+
+@pytest.mark.parametrize("type_name", QUANT_NAMES)
+def test_affine_form_holds_the_ggml_values(fixture_model, type_name):
+    qtype = QT[type_name]
+    for tensor in gguf.GGUFReader(fixture_model(f"types-tiny-{type_name}.gguf")).tensors:
+        if tensor.tensor_type != qtype:
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        exact = np.array(dequantize(tensor.data, qtype, shape))
+        affine = to_affine(tensor.data, qtype, shape)
+        biases = affine.full_biases()
+        got = np.array(mx.dequantize(affine.weight, affine.scales.astype(mx.float32),
+                                     biases.astype(mx.float32), group_size=32, bits=affine.bits))
+        error = np.abs(got - exact).reshape(shape[0], -1, 32)
+        scales = np.abs(np.array(affine.scales, np.float32))[..., None]
+        biases = np.abs(np.array(biases, np.float32))[..., None]
+        if qtype in EXACT:
+            np.testing.assert_array_equal(got, exact, err_msg=tensor.name)
+        elif qtype == QT.Q6_K:
+            # Half a step, one step where v = 128 is clipped, plus the float16 rounding of the scale
+            # times |v| <= 128 (1/16 step).
+            assert (error <= 1.07 * scales).all(), tensor.name
+        elif qtype in REQUANTIZED_TYPES:
+            # Half a step, plus the top value's overshoot from rounding the scale (< 0.13 step).
+            assert (error <= 0.63 * scales + 1e-7).all(), tensor.name
+        else:
+            # Only the float16 rounding of the scale (times q) and of the bias.
+            bound = FP16_HALF_ULP * (scales * (2**affine.bits - 1) + biases) + 2**affine.bits * FP16_SUBNORMAL_STEP
+            assert (error <= bound).all(), tensor.name
+
+
+def test_requantized_error_is_a_small_part_of_the_type_own_error(fixture_model):
+    """Q6_K re-quantized to 8 bits adds well under half of Q6_K's own rounding error (RMS)."""
+    reader = gguf.GGUFReader(fixture_model("types-tiny-Q6_K.gguf"))
+    tensor = next(t for t in reader.tensors if t.tensor_type == QT.Q6_K)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    exact = np.array(dequantize(tensor.data, QT.Q6_K, shape))
+    affine = to_affine(tensor.data, QT.Q6_K, shape)
+    got = np.array(mx.dequantize(affine.weight, affine.scales, affine.full_biases(), group_size=32, bits=8), np.float32)
+    # A Q6_K step is 1/63 of a 16-value sub-block's range; uniform rounding error is step / sqrt(12).
+    sub_blocks = exact.reshape(-1, 16)
+    own_rms = np.sqrt(np.mean(((sub_blocks.max(1) - sub_blocks.min(1)) / 63) ** 2 / 12))
+    added_rms = np.sqrt(np.mean((got - exact) ** 2))
+    assert added_rms < 0.5 * own_rms
+
+
+def test_native_model_uses_quantized_layers_per_tensor_type():
+    m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    layers = dict(m.model.named_modules())
+    assert isinstance(layers["token_embd"], BlockEmbedding)
+    # Q/K/V and gate/up are Q4_K and fused (fusion.py); layer 2's attn_v is Q6_K, so its three stay apart.
+    assert isinstance(layers["blk.0.attn_qkv"], NativeLinear) and layers["blk.0.attn_qkv"].bits == 4
+    assert layers["blk.0.attn_qkv"].weight.shape[0] == 256 + 2 * 64 and "attn_q" not in layers["blk.0"]
+    assert layers["blk.2.attn_v"].bits == 8 and layers["blk.2.attn_q"].bits == 4 and "attn_qkv" not in layers["blk.2"]
+    assert isinstance(layers["blk.2.ffn_gate_up"], NativeLinear)
+    assert layers["output"].bits == 8 and "biases" not in layers["output"]  # Q6_K in this mix: symmetric
+    dense = dict(mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True).model.named_modules())
+    assert type(dense["blk.0.attn_qkv"]) is nn.Linear and type(dense["blk.2.attn_qkv"]) is nn.Linear
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K", "Q5_0", "F16"])
+def test_stacked_projections_compute_their_parts_outputs(fixture_model, quant, monkeypatch):
+    path = fixture_model(f"types-tiny-{quant}.gguf")
+    fused = mlxllama.load(path, dequantize=quant == "F16")
+    monkeypatch.setattr(mlxllama.fusion, "stacked", lambda layers: None)
+    apart = mlxllama.load(path, dequantize=quant == "F16")
+    block = apart.model.blk[0]
+    x = mx.random.normal((3, apart.config.hidden_size), key=mx.random.key(0))
+    for parts in ([block.attn_q, block.attn_k, block.attn_v], [block.ffn_gate, block.ffn_up]):
+        expected = np.concatenate([np.array(p(x)) for p in parts], axis=-1)
+        np.testing.assert_allclose(np.array(stacked(parts)(x)), expected, rtol=0, atol=1e-5)
+    ids = [1, 5, 9, 300, 4]
+    np.testing.assert_allclose(fused.logits(ids), apart.logits(ids), rtol=0, atol=1e-4)
+    assert "attn_qkv" in fused.model.blk[0] and "attn_qkv" not in block
+
+
+
+def test_block_embedding_looks_up_the_exact_rows(fixture_model):
+    tensor = next(t for t in gguf.GGUFReader(fixture_model("types-tiny-Q4_K.gguf")).tensors
+                  if t.name == "token_embd.weight")
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    table = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
+    ids = mx.array([[3, 0, 511], [7, 7, 1]])
+    exact = np.array(dequantize(tensor.data, tensor.tensor_type, shape))
+    np.testing.assert_array_equal(np.array(BlockEmbedding(table)(ids)), exact[np.array(ids)])
+
+
+def tied_table(path) -> tuple[TiedEmbedding, np.ndarray]:
+    """The file's token table made into a table tied to the output layer, and the values it holds
+    (the exact ones for Q3_K, see test_affine_form_holds_the_ggml_values)."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    affine = to_affine(tensor.data, tensor.tensor_type, shape)
+    dense = mx.dequantize(affine.weight, affine.scales.astype(mx.float32), affine.full_biases().astype(mx.float32),
+                          group_size=32, bits=affine.bits)
+    return quantized_layer(nn.Embedding(*shape), affine), np.array(dense)
+
+
+@pytest.mark.parametrize("quant", ["Q6_K", "Q3_K"])
+def test_tied_embedding_looks_up_rows_and_computes_the_output(fixture_model, quant):
+    """A table that is also the output layer: a lookup gives its rows, as_linear the product with the whole table."""
+    layer, values = tied_table(fixture_model(f"types-tiny-{quant}.gguf"))
+    assert isinstance(layer, TiedEmbedding)
+    ids = mx.array([[3, 0, 511], [7, 7, 1]])
+    np.testing.assert_allclose(np.array(layer(ids)), values[np.array(ids)], rtol=1e-3, atol=1e-3)
+    x = mx.random.normal((2, 1, values.shape[1]), key=mx.random.key(0))
+    np.testing.assert_allclose(np.array(layer.as_linear(x)), np.array(x) @ values.T, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("quant, quantized_matmuls", [("Q3_K", 0), ("Q6_K", 1)])
+def test_tied_output_honours_gpu_expanded_types(fixture_model, monkeypatch, quant, quantized_matmuls):
+    """On a GPU a tied Q3_K output layer, like any Q3_K projection, multiplies by its expanded float
+    weight even for one row; other types keep the quantized matmul for a few rows."""
+    layer, values = tied_table(fixture_model(f"types-tiny-{quant}.gguf"))
+    x = mx.random.normal((1, 1, values.shape[1]), key=mx.random.key(0))
+    calls = []
+    quantized_matmul = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: calls.append(a) or quantized_matmul(*a, **kw))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    out = np.array(layer.as_linear(x))
+    assert len(calls) == quantized_matmuls
+    # As in test_native_linear_paths_agree: an expanded weight is rounded to float16.
+    np.testing.assert_allclose(out, np.array(x) @ values.T, rtol=1e-2, atol=5e-3)
+
+
+def test_float_files_stay_dense_in_native_mode():
+    m = mlxllama.load(find_fixture_model("types-tiny-F16.gguf"))
+    assert not any(isinstance(layer, (NativeLinear, BlockEmbedding)) for _, layer in m.model.named_modules())
+
+
+@pytest.mark.parametrize("name", [n for n in REFERENCES if n.startswith("chat-tiny") and not n.endswith("F16")])
+def test_dequantized_mode_matches_llama_cpp(name):
+    """--dequantize keeps the core parity (argmax where decided, mean KL) on the quantized files."""
+    m, ref = mlxllama.load(find_fixture_model(f"{name}.gguf"), dequantize=True), reference(name)
+    for prompt in PROMPTS:
+        assert_logits_match(m, ref, prompt, f"{name} {prompt} (dequantized)")
+
+
+def test_native_linear_paths_agree(monkeypatch):
+    """The quantized matmul (one row) and, on a GPU, the expanded float weight (several rows) give one function."""
+    tensor = next(t for t in gguf.GGUFReader(find_fixture_model("types-tiny-Q6_K.gguf")).tensors
+                  if t.name == "blk.0.ffn_up.weight")
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    layer = NativeLinear(to_affine(tensor.data, tensor.tensor_type, shape), output_bias=False)
+    x = mx.random.normal((1, 3, shape[1]))
+    quantized = np.array(layer(x))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    layer.expand_rows = 3
+    # The expanded weight is float16 (the GPU's compute type), so each weight is rounded to it.
+    np.testing.assert_allclose(np.array(layer(x)), quantized, rtol=1e-2, atol=5e-3)

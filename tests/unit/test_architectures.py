@@ -1,0 +1,98 @@
+"""The architecture registry, the one weight loader and the lazily imported CUDA backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxllama
+from mlxllama import tensors as tensor_conversion
+from mlxllama.errors import MlxLlamaError
+from mlxllama.gguf_file import open_gguf, tensor_shape
+from mlxllama.models import ARCHITECTURES, architecture_of, llama, phi3, qwen2
+from mlxllama.quantized_layers import NativeLinear
+
+from conftest import PACKAGE_DATA, find_fixture_model
+
+FAMILY_FIXTURES = {"llama": "llama3-tiny-Q6_K.gguf", "qwen2": "qwen2-tiny-Q8_0.gguf", "phi3": "phi3-tiny-Q5_K_M.gguf"}
+ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
+
+
+def test_registry_maps_each_gguf_architecture_to_its_family_file():
+    assert {name: type(arch) for name, arch in ARCHITECTURES.items()} == {
+        "llama": llama.Llama, "qwen2": qwen2.Qwen2, "phi3": phi3.Phi3}
+    # The RoPE convention comes from the family: llama.cpp permutes Q/K of `llama` only.
+    assert [ARCHITECTURES[n].rope_traditional for n in ("llama", "qwen2", "phi3")] == [True, False, False]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
+def test_each_family_reads_every_tensor_of_its_file(family):
+    gguf = open_gguf(find_fixture_model(FAMILY_FIXTURES[family]))
+    arch = architecture_of(gguf)
+    table = arch.tensors(arch.read_config(gguf))
+    assert arch.name == family
+    assert set(table) == set(gguf.tensors) - ROPE_FACTORS
+    assert all(shape == tensor_shape(gguf.tensors[name]) for name, (_, shape) in table.items())
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import gguf as gguf_writer
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf_writer.GGUFWriter(str(path), "gemma9")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(MlxLlamaError, match=r"unsupported architecture 'gemma9' \(supported: llama, qwen2, phi3\)$"):
+        mlxllama.load(path)
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_a_file_fused_tensor_loads_once_into_the_fused_layer(dequantize, monkeypatch):
+    """Phi-3's attn_qkv and [gate; up] ffn_up load as they are, one conversion each, in both modes."""
+    path = find_fixture_model("phi3-tiny-Q5_K_M.gguf")
+    converted = []
+    convert = tensor_conversion.convert
+
+    def counting(path, tensor, *args, **kwargs):
+        converted.append(tensor.name)
+        return convert(path, tensor, *args, **kwargs)
+
+    monkeypatch.setattr("mlxllama.weights.convert", counting)
+    runtime = mlxllama.load(path, dequantize=dequantize)
+    gguf = open_gguf(path)
+    assert sorted(converted) == sorted(set(gguf.tensors) - ROPE_FACTORS)
+    block = runtime.model.blk[0]
+    assert "attn_qkv" in block and "ffn_gate_up" in block
+    assert not {"attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"} & set(block)
+    assert isinstance(block.attn_qkv, NativeLinear) != dequantize
+    if dequantize:
+        want = tensor_conversion.tensor_to_mlx(path, gguf.tensors["blk.0.attn_qkv.weight"], mx.float32)
+        np.testing.assert_array_equal(np.array(block.attn_qkv.weight), np.array(want))
+
+
+def test_separate_projections_are_fused_after_loading():
+    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf", dequantize=True)
+    assert all("attn_qkv" in block and "ffn_gate_up" in block for block in runtime.model.blk)
+
+
+def test_importing_and_running_on_the_cpu_never_touches_the_cuda_backend():
+    """A Metal or CPU user pays nothing for the CUDA backend: no .cu file read, no driver loaded."""
+    script = f"""
+import sys
+opened, loaded = [], []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else
+                 loaded.append(str(args[0])) if event == "ctypes.dlopen" else None)
+import mlxllama
+runtime = mlxllama.load({str(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")!r})
+assert runtime.generate("The capital of Italy is", 3).text == " Rome."
+print([m for m in sys.modules if m.startswith("mlxllama.cuda")], [p for p in opened if p.endswith(".cu")],
+      [p for p in loaded if "cuda" in p])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] [] []"

@@ -1,0 +1,309 @@
+"""Batched decoding and `mlxllama batch`, on the bundled chat-tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from importlib.resources import files
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlxllama
+from mlxllama.batch_jobs import BatchSettings, run_batch
+from mlxllama.batching import Request, batch_generate
+from mlxllama.cache import make_batch_cache, make_cache
+from mlxllama.cli import main
+from mlxllama.generate import prefill
+from mlxllama.prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
+from mlxllama.sampling import SamplingParams
+
+MODEL = str(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf")
+RAW = ["The capital of Italy is", "Once upon a time", "1, 2, 3, 4,", "The quick brown fox jumps over the lazy dog"]
+QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?"]
+# Differing prompt lengths, and max_tokens that make rows finish (and be replaced) at different steps;
+# the templated questions end early on EOS.
+MAX_TOKENS = [12, 3, 9, 5, 16, 14]
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return mlxllama.load(MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts(runtime):
+    template = choose_template(runtime.chat_template)
+    chat = [build_prompt(runtime.tokenizer, template, messages_for(q)).ids for q in QUESTIONS]
+    return [runtime.tokenize(text) for text in RAW] + chat
+
+
+@pytest.fixture(scope="module")
+def sequential(runtime, prompts):
+    return [runtime.generate(ids, max_tokens=n) for ids, n in zip(prompts, MAX_TOKENS)]
+
+
+@pytest.fixture
+def cli(runtime, monkeypatch):
+    """Runs `mlxllama ...` in-process with the already loaded model."""
+    monkeypatch.setattr("mlxllama.cli.load_model", lambda path: runtime)
+
+    def run(*args, input=None):
+        return CliRunner().invoke(main, list(args), input=input)
+
+    return run
+
+
+def test_batched_step_logits_are_bit_identical(runtime, prompts):
+    model, layers = runtime.model, runtime.config.n_layers
+    singles, tokens = [], []
+    batch = make_batch_cache(layers)
+    for ids in prompts[:3]:
+        single = make_cache(layers)
+        tokens.append(int(mx.argmax(prefill(model, ids, single))))
+        for layer, row in zip(batch, single):
+            layer.add(row)
+        singles.append(single)
+    for _ in range(3):
+        batched = model(mx.array([[t] for t in tokens]), batch)[:, -1]
+        alone = [model(mx.array([[t]]), single)[0, -1] for t, single in zip(tokens, singles)]
+        for row, logits in enumerate(alone):
+            assert np.array_equal(np.array(batched[row]), np.array(logits))
+        tokens = [int(mx.argmax(logits)) for logits in alone]
+
+
+def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
+    """model.step on a BatchKVCache (as batch decoding calls it) gives the forward pass's logits and
+    moves every row on by exactly one position."""
+    model, layers = runtime.model, runtime.config.n_layers
+    stepped, forward = make_batch_cache(layers), make_batch_cache(layers)
+    tokens = []
+    for ids in prompts[:3]:
+        single = make_cache(layers)
+        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
+        for a, b, row in zip(stepped, forward, single):
+            a.add(row)
+            b.add(row)
+    lengths = list(stepped[0].lengths)
+    for step in range(1, 3):
+        got = model.step(mx.array(tokens), stepped)
+        want = model(mx.array(tokens), forward)[:, -1]
+        assert np.array_equal(np.array(got), np.array(want))
+        assert all(layer.lengths == [n + step for n in lengths] for layer in stepped)
+        tokens = [[int(t)] for t in mx.argmax(want, axis=-1).tolist()]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, batch_size):
+    requests = [Request(ids, n) for ids, n in zip(prompts, MAX_TOKENS)]
+    results = batch_generate(runtime, requests, batch_size=batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in sequential]
+    assert [(r.text, r.finish_reason) for r in results] == [(r.text, r.finish_reason) for r in sequential]
+    assert results[4].text == "The capital of Japan is Tokyo." and results[4].finish_reason == "stop"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(runtime, prompts):
+    settings = dict(max_tokens=6, temperature=0.9, top_k=40, seed=11)
+    alone = runtime.generate(prompts[1], **settings)
+    params = SamplingParams(temperature=0.9, top_k=40, seed=11)
+    batched = batch_generate(runtime, [prompts[0], Request(prompts[1], 6, params), prompts[2]], max_tokens=4)
+    assert batched[1].token_ids == alone.token_ids
+
+
+def test_stop_strings_and_max_tokens_per_prompt(runtime):
+    results = batch_generate(runtime, [Request(runtime.tokenize(RAW[0]), 8, stop=(".",)), RAW[0]], max_tokens=2)
+    assert (results[0].text, results[0].finish_reason, results[0].stop) == (" Rome", "stop", ".")
+    assert len(results[1].token_ids) == 2 and results[1].finish_reason == "length"
+
+
+def test_batch_cache_builds_its_offset_once_per_change():
+    """RoPE, the mask and the update of a step all read one offset array; it follows every change of lengths."""
+    layer = make_batch_cache(1)[0]
+    for length in (3, 5):
+        single = make_cache(1)[0]
+        single.update_and_fetch(mx.zeros((1, 2, length, 4)), mx.zeros((1, 2, length, 4)))
+        layer.add(single)
+    offset = layer.offset
+    layer.mask(1)
+    assert layer.offset is offset and offset.tolist() == [3, 5]
+    layer.update_and_fetch(mx.ones((2, 2, 1, 4)), mx.ones((2, 2, 1, 4)))
+    assert layer.offset.tolist() == [4, 6]
+    layer.keep([1])
+    assert layer.offset.tolist() == [6]
+
+
+def test_job_runner_reports_through_its_callers_callbacks(runtime, tmp_path, capfd):
+    """The runner prints nothing and needs no click: bad lines and progress go to the callbacks the CLI passes."""
+    lines = ['{"id": "a", "prompt": "Hi", "max_tokens": 2}\n', "not json\n", '{"id": "b", "prompt": "Yo", "max_tokens": 2}\n']
+    reported, progress = [], []
+
+    @contextmanager
+    def track(jobs):
+        progress.append(jobs)
+        yield lambda: progress.append("written")
+
+    out = tmp_path / "out.jsonl"
+    stats = run_batch(runtime, lines, "in.jsonl", str(out), BatchSettings(NO_TEMPLATE), reported.append, track)
+    assert capfd.readouterr() == ("", "")
+    assert reported == ["in.jsonl:2: not valid JSON (Expecting value at column 1)"]
+    assert progress == [2, "written", "written"]
+    assert (stats.prompts, stats.done, stats.errors, stats.interrupted) == (2, 2, 1, False)
+    assert [r["id"] for r in read_results(out)] == ["a", "b"]
+    imported = subprocess.run([sys.executable, "-c", "import sys, mlxllama.batching, mlxllama.batch_jobs; print(sorted(sys.modules))"],
+                              capture_output=True, text=True, check=True).stdout
+    assert "'mlxllama.batch_jobs'" in imported and "'click'" not in imported
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def read_results(path):
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_per_line_options(cli, tmp_path):
+    write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": "japan", "prompt": "What is the capital of Japan?"}),
+        json.dumps({"prompt": "What is 17 plus 25?", "max_tokens": 3}),
+        json.dumps({"id": "italy", "prompt": "The capital of Italy is", "no_template": True, "stop": ["."]}),
+        json.dumps({"id": "zoe", "messages": [{"role": "user", "content": "My name is Zoe."}], "template": "zephyr",
+                    "temperature": 0.8, "seed": 5, "max_tokens": 4}),
+    ])
+    result = cli("batch", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"), "-n", "10", "-b", "3")
+    assert result.exit_code == 0, result.output
+    japan, sum_, italy, zoe = read_results(tmp_path / "out.jsonl")
+    assert [r["id"] for r in (japan, sum_, italy, zoe)] == ["japan", 2, "italy", "zoe"]
+    assert japan["text"] == "The capital of Japan is Tokyo." and japan["finish_reason"] == "stop"
+    assert japan["template"] == "gguf (zephyr)" and japan["prompt"].startswith("<|user|>\nWhat is the capital")
+    assert japan["prompt_tokens"] == 24 and japan["token_ids"][-1] == 2 and "timings" in japan
+    assert len(sum_["token_ids"]) == 3 and sum_["finish_reason"] == "length"
+    assert (italy["template"], italy["prompt"], italy["text"], italy["finish_reason"]) == (
+        "none", "The capital of Italy is", " Rome", "stop")
+    assert zoe["template"] == "zephyr" and len(zoe["token_ids"]) == 4
+    again = cli("batch", "-", "-n", "10", input=json.dumps(
+        {"id": "zoe", "prompt": "My name is Zoe.", "template": "zephyr", "temperature": 0.8, "seed": 5,
+         "max_tokens": 4}) + "\n")
+    assert json.loads(again.stdout)["token_ids"] == zoe["token_ids"]
+    assert "tokens per second" in result.stderr
+
+
+def test_compare_template_lines(cli, tmp_path):
+    write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "What is 17 plus 25?"})])
+    result = cli("batch", str(tmp_path / "in.jsonl"), "--compare-template", "-n", "12", "--seed", "1")
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.stdout)
+    assert line["id"] == 1 and line["with_template"]["text"] == "17 plus 25 is 42."
+    without = line["without_template"]
+    assert without["template"] == "none" and without["prompt"] == "What is 17 plus 25?"
+
+
+def test_malformed_lines_are_reported_and_skipped(cli, tmp_path):
+    write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"prompt": "The capital of Italy is", "no_template": True}),
+        "{not json",
+        json.dumps(["a list"]),
+        json.dumps({"id": 1, "prompt": "duplicate of line 1's id"}),
+        "",
+        json.dumps({"prompt": "x", "max_tokens": "many"}),
+        json.dumps({"prompt": "x", "template": "no-such-template"}),
+        json.dumps({"system": "no prompt"}),
+        json.dumps({"prompt": "x", "seed": -1}),
+        '{"prompt": "x", "temperature": NaN}',
+        json.dumps({"id": "last", "prompt": "Once upon a time", "no_template": True}),
+    ])
+    result = cli("batch", str(tmp_path / "in.jsonl"), "-n", "2", "--summary", "json")
+    assert result.exit_code == 2
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == [1, "last"]
+    name = str(tmp_path / "in.jsonl")
+    for number, reason in [(2, "not valid JSON"), (3, "expected a JSON object"), (4, "duplicate id 1"),
+                           (6, "'max_tokens' must be an integer"), (7, "unknown chat template"),
+                           (8, "needs either 'prompt' or 'messages'"),
+                           (9, "sampling setting 'seed' must be null or an integer >= 0, got -1"),
+                           (10, "sampling setting 'temperature' must be a finite number >= 0, got nan")]:
+        assert f"{name}:{number}: {reason}" in result.stderr
+    summary = json.loads(result.stderr.strip().splitlines()[-1])
+    assert (summary["prompts"], summary["done"], summary["errors"]) == (2, 2, 8)
+
+
+def test_unreadable_input_or_output_is_a_one_line_error(cli, tmp_path):
+    write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "x"})])
+    result = cli("batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path))
+    assert result.exit_code == 2 and f"{tmp_path}: cannot read results" in result.stderr
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00a\n")
+    result = cli("batch", "--text", str(tmp_path / "bin.txt"), "-o", str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 2 and "bin.txt: not UTF-8 text" in result.stderr
+
+
+def test_text_input_from_stdin_to_stdout(cli):
+    result = cli("batch", "--text", "-", "--no-template", "-n", "2", "-o", "-",
+                 input="The capital of Italy is\n\nOnce upon a time\n")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["id"], r["prompt"], r["template"]) for r in lines] == [
+        (1, "The capital of Italy is", "none"), (3, "Once upon a time", "none")]
+    assert lines[0]["text"] == " Rome."
+
+
+def test_resume_skips_done_ids_and_drops_a_cut_off_line(cli, tmp_path):
+    write_lines(tmp_path / "in.txt", RAW)
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": 1, "text": "done before"}) + "\n" + '{"id": 2, "te')
+    result = cli("batch", "--text", str(tmp_path / "in.txt"), "--no-template", "-n", "2", "-o", str(out),
+                 "--summary", "json")
+    assert result.exit_code == 0, result.output
+    results = read_results(out)
+    assert [r["id"] for r in results] == [1, 2, 3, 4] and results[0]["text"] == "done before"
+    assert json.loads(result.stderr.splitlines()[-1])["already_done"] == 1
+
+
+def start_batch(tmp_path, count):
+    """A `mlxllama batch` subprocess over `count` raw prompts, two at a time."""
+    write_lines(tmp_path / "in.txt", [RAW[i % len(RAW)] for i in range(count)])
+    command = [sys.executable, "-c", "from mlxllama.cli import main; main()", "batch", "--model", MODEL, "--text",
+               str(tmp_path / "in.txt"), "--no-template", "-n", "12", "-b", "2", "-o", str(tmp_path / "out.jsonl"),
+               "--summary", "json"]
+    return command, subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(path, process, count=1, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists() and path.read_text().count("\n") >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no {count} results before the run ended: {process.stderr.read()}")
+
+
+def test_killed_run_resumes_with_every_id_exactly_once(tmp_path):
+    command, process = start_batch(tmp_path, 10)
+    wait_for_lines(tmp_path / "out.jsonl", process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    # A line cut short by the kill would not count: the rerun drops it.
+    done_before = (tmp_path / "out.jsonl").read_text().count("\n")
+    assert 1 <= done_before < 10
+    rerun = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [r["id"] for r in read_results(tmp_path / "out.jsonl")] == list(range(1, 11))
+    assert json.loads(rerun.stderr.splitlines()[-1])["already_done"] == done_before
+
+
+def test_ctrl_c_stops_with_whole_lines_and_a_count(tmp_path):
+    _, process = start_batch(tmp_path, 10)
+    wait_for_lines(tmp_path / "out.jsonl", process)
+    os.kill(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    results = read_results(tmp_path / "out.jsonl")
+    assert [r["id"] for r in results] == list(range(1, len(results) + 1)) and len(results) < 10
+    assert f"interrupted: {len(results)} of 10 prompts done" in stderr
