@@ -1,8 +1,10 @@
 """GGML tensor data as MLX arrays: vectorized dequantization, and MLX's affine quantized format.
 
-Block layouts follow ggml (ggml-common.h / ggml-quants.c). Each decoder takes
-a (n_blocks, type_size) uint8 array and returns (n_blocks, block_size) float32,
-doing the float arithmetic in the same order as ggml so results are bit-exact.
+Block layouts follow ggml (ggml-common.h / ggml-quants.c); FORMATS below has one row a type: its
+block cut into named fields (gguf-py's and ggml's names), how a block decodes to its exact
+values, and how it maps onto MLX's affine format. A decoder takes the fields of n blocks and
+returns (n, block_size) float32, doing the float arithmetic in the same order as ggml so results
+are bit-exact.
 
 `to_affine` re-expresses quantized blocks in the layout `mx.quantized_matmul` takes: groups of 32
 values along a row, w = scale * q + bias with unsigned q packed into uint32 words.
@@ -11,6 +13,7 @@ values along a row, w = scale * q + bias with unsigned q packed into uint32 word
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
@@ -21,11 +24,25 @@ _IQ4_KVALUES = mx.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
     dtype=mx.float32,
 )
+# IQ4's codebook is integers in [-127, 113], so shifted by 128 it is an exact 8-bit grid.
+_IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(mx.uint8)
 
 
-def _f16(b: mx.array, offset: int) -> mx.array:
-    """The little-endian fp16 at byte `offset` of every block, as (n, 1) float32."""
-    return mx.view(b[:, offset : offset + 2], mx.float16).astype(mx.float32)
+class Fields(dict):
+    """The blocks (n, type_size) uint8 of one type, cut into its named fields: fields["d"] is (n, 2)."""
+
+    def __init__(self, blocks: mx.array, layout: tuple[tuple[str, int], ...]):
+        super().__init__()
+        offset = 0
+        for name, size in layout:
+            self[name] = blocks[:, offset : offset + size]
+            offset += size
+        self.n = blocks.shape[0]
+
+
+def _f16(field: mx.array) -> mx.array:
+    """A 2-byte little-endian float16 field of every block, as (n, 1) float32."""
+    return mx.view(field, mx.float16).astype(mx.float32)
 
 
 def _nibbles(qs: mx.array) -> mx.array:
@@ -43,12 +60,12 @@ def _f32(q: mx.array) -> mx.array:
     return q.astype(mx.float32)
 
 
-def _q4_0(b: mx.array) -> mx.array:
-    return _f16(b, 0) * (_f32(_nibbles(b[:, 2:])) - 8)
+def _q4_0(f: Fields) -> mx.array:
+    return _f16(f["d"]) * (_f32(_nibbles(f["qs"])) - 8)
 
 
-def _q4_1(b: mx.array) -> mx.array:
-    return _f16(b, 0) * _f32(_nibbles(b[:, 4:])) + _f16(b, 2)
+def _q4_1(f: Fields) -> mx.array:
+    return _f16(f["d"]) * _f32(_nibbles(f["qs"])) + _f16(f["m"])
 
 
 def _q5_high(qh: mx.array) -> mx.array:
@@ -56,18 +73,18 @@ def _q5_high(qh: mx.array) -> mx.array:
     return _bits(qh, 8, 1).swapaxes(-1, -2).reshape(-1, 32) << 4
 
 
-def _q5_0(b: mx.array) -> mx.array:
-    q = _nibbles(b[:, 6:]) | _q5_high(b[:, 2:6])
-    return _f16(b, 0) * (_f32(q) - 16)
+def _q5_0(f: Fields) -> mx.array:
+    q = _nibbles(f["qs"]) | _q5_high(f["qh"])
+    return _f16(f["d"]) * (_f32(q) - 16)
 
 
-def _q5_1(b: mx.array) -> mx.array:
-    q = _nibbles(b[:, 8:]) | _q5_high(b[:, 4:8])
-    return _f16(b, 0) * _f32(q) + _f16(b, 2)
+def _q5_1(f: Fields) -> mx.array:
+    q = _nibbles(f["qs"]) | _q5_high(f["qh"])
+    return _f16(f["d"]) * _f32(q) + _f16(f["m"])
 
 
-def _q8_0(b: mx.array) -> mx.array:
-    return _f32(mx.view(b[:, 2:], mx.int8)) * _f16(b, 0)
+def _q8_0(f: Fields) -> mx.array:
+    return _f32(mx.view(f["qs"], mx.int8)) * _f16(f["d"])
 
 
 def _crumbs(qs: mx.array) -> mx.array:
@@ -76,30 +93,28 @@ def _crumbs(qs: mx.array) -> mx.array:
     return _bits(qs.reshape(n, 2, 32), 4, 2).reshape(n, 16, 16)
 
 
-def _q2_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    scales = b[:, :16]
-    dl = (_f16(b, 80) * _f32(scales & 0xF)).reshape(n, 16, 1)
-    ml = (_f16(b, 82) * _f32(scales >> 4)).reshape(n, 16, 1)
-    return (dl * _f32(_crumbs(b[:, 16:80])) - ml).reshape(n, 256)
+def _q2_k(f: Fields) -> mx.array:
+    n, scales = f.n, f["scales"]
+    dl = (_f16(f["d"]) * _f32(scales & 0xF)).reshape(n, 16, 1)
+    ml = (_f16(f["dmin"]) * _f32(scales >> 4)).reshape(n, 16, 1)
+    return (dl * _f32(_crumbs(f["qs"])) - ml).reshape(n, 256)
 
 
-def _q3_k_parts(b: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _q3_k_parts(f: Fields) -> tuple[mx.array, mx.array, mx.array]:
     """d (n, 1), the 16 sub-block scales (n, 16) and q in [-4, 3] (n, 16, 16), all float32."""
-    n = b.shape[0]
-    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    n, packed = f.n, f["scales"]
     # 16 signed 6-bit scales: low nibbles from bytes 0-7 (low then high
     # nibbles), top 2 bits from bytes 8-11 in 2-bit steps.
     low = _nibbles(packed[:, :8])
     high = _bits(packed[:, 8:], 4, 2).reshape(n, 16)
     scales = _f32(low | (high << 4)) - 32
     # A clear hmask bit means the value is offset by -4.
-    offset = _f32(1 - _bits(hmask, 8, 1)).reshape(n, 16, 16) * 4
-    return _f16(b, 108), scales, _f32(_crumbs(qs)) - offset
+    offset = _f32(1 - _bits(f["hmask"], 8, 1)).reshape(n, 16, 16) * 4
+    return _f16(f["d"]), scales, _f32(_crumbs(f["qs"])) - offset
 
 
-def _q3_k(b: mx.array) -> mx.array:
-    d, scales, q = _q3_k_parts(b)
+def _q3_k(f: Fields) -> mx.array:
+    d, scales, q = _q3_k_parts(f)
     dl = (d * scales).reshape(-1, 16, 1)
     return (dl * q).reshape(-1, 256)
 
@@ -120,84 +135,213 @@ def _k_low_nibbles(qs: mx.array) -> mx.array:
     return _nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
 
 
-def _q4_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    d = (_f16(b, 0) * scales).reshape(n, 8, 1)
-    m = (_f16(b, 2) * mins).reshape(n, 8, 1)
-    return (d * _f32(_k_low_nibbles(b[:, 16:])) - m).reshape(n, 256)
-
-
-def _q5_k(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    d = (_f16(b, 0) * scales).reshape(n, 8, 1)
-    m = (_f16(b, 2) * mins).reshape(n, 8, 1)
+def _q5_k_q(f: Fields) -> mx.array:
     # Bit j of qh byte l is bit 4 of value l in sub-block j.
-    q = _k_low_nibbles(b[:, 48:]) | (_bits(b[:, 16:48], 8, 1) << 4)
-    return (d * _f32(q) - m).reshape(n, 256)
+    return _k_low_nibbles(f["qs"]) | (_bits(f["qh"], 8, 1) << 4)
 
 
-def _q6_k_parts(b: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _k_decode(q: Callable[[Fields], mx.array]) -> Callable[[Fields], mx.array]:
+    """Q4_K/Q5_K: d x scale x q - dmin x min per 32-value sub-block, q given by `q`."""
+
+    def decode(f: Fields) -> mx.array:
+        n = f.n
+        scales, mins = _k_scales_mins(f["scales"])
+        d = (_f16(f["d"]) * scales).reshape(n, 8, 1)
+        m = (_f16(f["dmin"]) * mins).reshape(n, 8, 1)
+        return (d * _f32(q(f)) - m).reshape(n, 256)
+
+    return decode
+
+
+def _q6_k_parts(f: Fields) -> tuple[mx.array, mx.array, mx.array]:
     """d (n, 1), the 16 sub-block scales (n, 16) and q in [-32, 31] (n, 16, 16), all float32."""
-    n = b.shape[0]
+    n = f.n
     # Each 128-value half uses 64 ql bytes (low nibbles give values 0-63,
     # high nibbles 64-127) and 32 qh bytes (four 2-bit planes, one per 32 values).
-    ql = _nibbles(b[:, :128].reshape(n, 2, 64))
-    qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2).reshape(n, 2, 128)
+    ql = _nibbles(f["ql"].reshape(n, 2, 64))
+    qh = _bits(f["qh"].reshape(n, 2, 32), 4, 2).reshape(n, 2, 128)
     q = (_f32(ql | (qh << 4)) - 32).reshape(n, 16, 16)
-    return _f16(b, 208), _f32(mx.view(b[:, 192:208], mx.int8)), q
+    return _f16(f["d"]), _f32(mx.view(f["scales"], mx.int8)), q
 
 
-def _q6_k(b: mx.array) -> mx.array:
-    d, scales, q = _q6_k_parts(b)
+def _q6_k(f: Fields) -> mx.array:
+    d, scales, q = _q6_k_parts(f)
     return ((d * scales).reshape(-1, 16, 1) * q).reshape(-1, 256)
 
 
-def _iq4_nl(b: mx.array) -> mx.array:
-    return _f16(b, 0) * mx.take(_IQ4_KVALUES, _nibbles(b[:, 2:]))
+def _iq4_nl(f: Fields) -> mx.array:
+    return _f16(f["d"]) * mx.take(_IQ4_KVALUES, _nibbles(f["qs"]))
 
 
-def _iq4_xs_scales(b: mx.array) -> mx.array:
+def _iq4_xs_scales(f: Fields) -> mx.array:
     """The (n, 8) scales of the 32-value sub-blocks: d times a six-bit scale minus 32."""
-    n = b.shape[0]
-    # Low 4 bits in bytes 4-7 (low nibble first), top 2 bits in the little-endian uint16 at
-    # bytes 2-3, 2 bits per sub-block.
-    low = _bits(b[:, 4:8], 2, 4).swapaxes(-1, -2).reshape(n, 8)
-    high = _bits(b[:, 2:4], 4, 2).swapaxes(-1, -2).reshape(n, 8)
-    return _f16(b, 0) * (_f32(low | (high << 4)) - 32)
+    n = f.n
+    # Low 4 bits in scales_l (low nibble first), top 2 bits in the little-endian uint16
+    # scales_h, 2 bits per sub-block.
+    low = _bits(f["scales_l"], 2, 4).swapaxes(-1, -2).reshape(n, 8)
+    high = _bits(f["scales_h"], 4, 2).swapaxes(-1, -2).reshape(n, 8)
+    return _f16(f["d"]) * (_f32(low | (high << 4)) - 32)
 
 
-def _iq4_xs(b: mx.array) -> mx.array:
-    n = b.shape[0]
-    q = mx.take(_IQ4_KVALUES, _nibbles(b[:, 8:].reshape(n, 8, 16)))
-    return (_iq4_xs_scales(b).reshape(n, 8, 1) * q).reshape(n, 256)
+def _iq4_xs(f: Fields) -> mx.array:
+    n = f.n
+    q = mx.take(_IQ4_KVALUES, _nibbles(f["qs"].reshape(n, 8, 16)))
+    return (_iq4_xs_scales(f).reshape(n, 8, 1) * q).reshape(n, 256)
 
 
-_DECODERS: dict[GGMLQuantizationType, Callable[[mx.array], mx.array]] = {
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q5_0: _q5_0,
-    GGMLQuantizationType.Q5_1: _q5_1,
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q2_K: _q2_k,
-    GGMLQuantizationType.Q3_K: _q3_k,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q5_K: _q5_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
-    GGMLQuantizationType.IQ4_NL: _iq4_nl,
-    GGMLQuantizationType.IQ4_XS: _iq4_xs,
+# --- MLX's affine form of each type: blocks -> (q uint8 [n, block_size], scales [n, groups],
+# biases [n, groups] or None for a symmetric 8-bit grid) ------------------------------------------
+
+def _affine_q4_0(f: Fields):
+    d = _f16(f["d"])
+    return _nibbles(f["qs"]), d, -8 * d
+
+
+def _affine_q4_1(f: Fields):
+    return _nibbles(f["qs"]), _f16(f["d"]), _f16(f["m"])
+
+
+def _affine_q5_0(f: Fields):
+    d = _f16(f["d"])
+    return _nibbles(f["qs"]) | _q5_high(f["qh"]), d, -16 * d
+
+
+def _affine_q5_1(f: Fields):
+    return _nibbles(f["qs"]) | _q5_high(f["qh"]), _f16(f["d"]), _f16(f["m"])
+
+
+def _affine_q8_0(f: Fields):
+    d = _f16(f["d"])
+    # Flipping the sign bit turns int8 q into q + 128.
+    return f["qs"] ^ 0x80, d, -128 * d
+
+
+def _k_affine(q: Callable[[Fields], mx.array]):
+    def encode(f: Fields):
+        scales, mins = _k_scales_mins(f["scales"])
+        return q(f), _f16(f["d"]) * scales, -(_f16(f["dmin"]) * mins)
+
+    return encode
+
+
+def _affine_iq4_nl(f: Fields):
+    d = _f16(f["d"])
+    return mx.take(_IQ4_KVALUES_U8, _nibbles(f["qs"])), d, -128 * d
+
+
+def _affine_iq4_xs(f: Fields):
+    scale = _iq4_xs_scales(f)
+    q = mx.take(_IQ4_KVALUES_U8, _nibbles(f["qs"].reshape(f.n, 8, 16)))
+    return q, scale, -128 * scale
+
+
+def _affine_q3_k(f: Fields):
+    # scale x q is an integer in [-124, 128] and -(scale x q) one in [-128, 124]: with the
+    # scale -d every value sits exactly on an 8-bit grid, and the bias is 128 d.
+    d, scales, q = _q3_k_parts(f)
+    n = f.n
+    v = 128 - scales.reshape(n, 16, 1) * q
+    return v.astype(mx.uint8).reshape(n, 256), mx.broadcast_to(-d, (n, 8)), None
+
+
+def _affine_q6_k(f: Fields):
+    """Q6_K's 16-value sub-blocks (d x scale x q, q in [-32, 31]) re-quantized to 8 bits on a symmetric grid.
+
+    Of the two sub-blocks in a group, the one with the larger |scale| sets the step, a quarter of
+    its own, so its values land exactly on the grid (v = 4 q); the other's are rounded to it, off
+    by at most 1/8 of the larger sub-block's step. The bias is -128 x scale, so it is not stored.
+    """
+    d, scales, q = _q6_k_parts(f)
+    n = f.n
+    pairs = scales.reshape(n, 8, 2)
+    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
+    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
+    v = mx.round(4 * ratio[..., None] * q.reshape(n, 8, 2, 16))
+    # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
+    q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
+    return q8.reshape(n, 256), d * larger / 4, None
+
+
+def _requantized(decode: Callable[[Fields], mx.array]):
+    """An encoder for Q2_K, whose 16-value sub-blocks each have their own scale and min, so no
+    32-value affine group holds them exactly.
+
+    The exact values are re-quantized to 8 bits per group of 32 (min to max in 255 steps). The
+    scale and bias are rounded to their storage type first and q rounded against those, so the
+    stored weight is within half a step (1/510 of the group's range) of the original.
+    """
+
+    def encode(f: Fields):
+        n = f.n
+        w = decode(f).reshape(-1, AFFINE_GROUP_SIZE)
+        low, high = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
+        bias = low.astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
+        scale = ((high - bias) / 255).astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
+        # An all-equal group has no range: any scale works, q = 0.
+        steps = mx.where(scale > 0, (w - bias) / mx.where(scale > 0, scale, 1), 0)
+        q = mx.clip(mx.round(steps), 0, 255).astype(mx.uint8)
+        return q.reshape(n, -1), scale.reshape(n, -1), bias.reshape(n, -1)
+
+    return encode
+
+
+AFFINE_GROUP_SIZE = 32
+# Scales and biases are stored as float16 on every device: it keeps a Q4_K weight at 5 bits
+# (float32 would make it 6) and MLX's CPU kernels take float16 scales with float32 inputs at no cost.
+AFFINE_SCALE_DTYPE = mx.float16
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One quantized type: its block's fields in byte order (name, bytes), its exact decoder, and
+    its affine form (bits, encoder)."""
+
+    layout: tuple[tuple[str, int], ...]
+    decode: Callable[[Fields], mx.array]
+    bits: int
+    encode: Callable[[Fields], tuple]
+    # Its values are re-quantized in the affine form (held only approximately; see _affine_q6_k,
+    # _requantized); the others are exact up to the float16 rounding of a K-type's scale and min.
+    requantized: bool = False
+    # On a symmetric 8-bit grid: its AffineWeight stores no biases.
+    symmetric: bool = False
+
+    def fields(self, blocks: mx.array) -> Fields:
+        return Fields(blocks, self.layout)
+
+
+QT = GGMLQuantizationType
+_D, _QS16 = ("d", 2), ("qs", 16)
+FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
+    QT.Q4_0: BlockFormat((_D, _QS16), _q4_0, 4, _affine_q4_0),
+    QT.Q4_1: BlockFormat((_D, ("m", 2), _QS16), _q4_1, 4, _affine_q4_1),
+    QT.Q5_0: BlockFormat((_D, ("qh", 4), _QS16), _q5_0, 5, _affine_q5_0),
+    QT.Q5_1: BlockFormat((_D, ("m", 2), ("qh", 4), _QS16), _q5_1, 5, _affine_q5_1),
+    QT.Q8_0: BlockFormat((_D, ("qs", 32)), _q8_0, 8, _affine_q8_0),
+    QT.Q2_K: BlockFormat((("scales", 16), ("qs", 64), _D, ("dmin", 2)), _q2_k, 8, _requantized(_q2_k),
+                         requantized=True),
+    QT.Q3_K: BlockFormat((("hmask", 32), ("qs", 64), ("scales", 12), _D), _q3_k, 8, _affine_q3_k, symmetric=True),
+    QT.Q4_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qs", 128)), _k_decode(lambda f: _k_low_nibbles(f["qs"])),
+                         4, _k_affine(lambda f: _k_low_nibbles(f["qs"]))),
+    QT.Q5_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)), _k_decode(_q5_k_q), 5,
+                         _k_affine(_q5_k_q)),
+    QT.Q6_K: BlockFormat((("ql", 128), ("qh", 64), ("scales", 16), _D), _q6_k, 8, _affine_q6_k, requantized=True,
+                         symmetric=True),
+    QT.IQ4_NL: BlockFormat((_D, _QS16), _iq4_nl, 8, _affine_iq4_nl),
+    QT.IQ4_XS: BlockFormat((_D, ("scales_h", 2), ("scales_l", 4), ("qs", 128)), _iq4_xs, 8, _affine_iq4_xs),
 }
 
 # How the unquantized types' raw bytes are reinterpreted; BF16 needs a
 # uint16 detour because numpy has no bfloat16.
 _FLOAT_VIEWS: dict[GGMLQuantizationType, tuple[np.dtype, mx.Dtype | None]] = {
-    GGMLQuantizationType.F32: (np.dtype(np.float32), None),
-    GGMLQuantizationType.F16: (np.dtype(np.float16), None),
-    GGMLQuantizationType.BF16: (np.dtype(np.uint16), mx.bfloat16),
+    QT.F32: (np.dtype(np.float32), None),
+    QT.F16: (np.dtype(np.float16), None),
+    QT.BF16: (np.dtype(np.uint16), mx.bfloat16),
 }
 
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DECODERS) | frozenset(_FLOAT_VIEWS)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS) | frozenset(_FLOAT_VIEWS)
+AFFINE_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
+REQUANTIZED_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, f in FORMATS.items() if f.requantized)
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> mx.array:
@@ -226,15 +370,11 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
             values = mx.view(values, mx_dtype)
         return values.astype(mx.float32).reshape(shape)
     blocks = mx.array(flat.view(np.uint8)).reshape(-1, type_size)
-    return _DECODERS[qtype](blocks).reshape(shape)
+    return decode_blocks(blocks, qtype).reshape(shape)
 
 
 # --- MLX's affine quantized layout -------------------------------------------------------------
 
-AFFINE_GROUP_SIZE = 32
-# Scales and biases are stored as float16 on every device: it keeps a Q4_K weight at 5 bits
-# (float32 would make it 6) and MLX's CPU kernels take float16 scales with float32 inputs at no cost.
-AFFINE_SCALE_DTYPE = mx.float16
 # Rows are converted in slices of about this many values so that the unpacked intermediates
 # (up to 8 bytes a value) stay small next to the weights already loaded.
 _CHUNK_VALUES = 1 << 17
@@ -258,128 +398,6 @@ class AffineWeight(NamedTuple):
 def symmetric_biases(scales: mx.array) -> mx.array:
     """The biases of an 8-bit symmetric grid, q = v + 128 for signed v: exact, a power-of-two multiple."""
     return scales * -128
-
-
-def _affine_q4_0(b: mx.array):
-    d = _f16(b, 0)
-    return _nibbles(b[:, 2:]), d, -8 * d
-
-
-def _affine_q4_1(b: mx.array):
-    return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
-
-
-def _affine_q5_0(b: mx.array):
-    d = _f16(b, 0)
-    return _nibbles(b[:, 6:]) | _q5_high(b[:, 2:6]), d, -16 * d
-
-
-def _affine_q5_1(b: mx.array):
-    return _nibbles(b[:, 8:]) | _q5_high(b[:, 4:8]), _f16(b, 0), _f16(b, 2)
-
-
-def _affine_q8_0(b: mx.array):
-    d = _f16(b, 0)
-    # Flipping the sign bit turns int8 q into q + 128.
-    return b[:, 2:] ^ 0x80, d, -128 * d
-
-
-def _affine_q4_k(b: mx.array):
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    return _k_low_nibbles(b[:, 16:]), _f16(b, 0) * scales, -(_f16(b, 2) * mins)
-
-
-def _affine_q5_k(b: mx.array):
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    q = _k_low_nibbles(b[:, 48:]) | (_bits(b[:, 16:48], 8, 1) << 4)
-    return q, _f16(b, 0) * scales, -(_f16(b, 2) * mins)
-
-
-# IQ4's codebook is integers in [-127, 113], so shifted by 128 it is an exact 8-bit grid.
-_IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(mx.uint8)
-
-
-def _affine_iq4_nl(b: mx.array):
-    d = _f16(b, 0)
-    return mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 2:])), d, -128 * d
-
-
-def _affine_iq4_xs(b: mx.array):
-    scale = _iq4_xs_scales(b)
-    q = mx.take(_IQ4_KVALUES_U8, _nibbles(b[:, 8:].reshape(b.shape[0], 8, 16)))
-    return q, scale, -128 * scale
-
-
-def _affine_q3_k(b: mx.array):
-    # scale x q is an integer in [-124, 128] and -(scale x q) one in [-128, 124]: with the
-    # scale -d every value sits exactly on an 8-bit grid, and the bias is 128 d.
-    d, scales, q = _q3_k_parts(b)
-    n = b.shape[0]
-    v = 128 - scales.reshape(n, 16, 1) * q
-    return v.astype(mx.uint8).reshape(n, 256), mx.broadcast_to(-d, (n, 8)), None
-
-
-def _affine_q6_k(b: mx.array):
-    """Q6_K's 16-value sub-blocks (d x scale x q, q in [-32, 31]) re-quantized to 8 bits on a symmetric grid.
-
-    Of the two sub-blocks in a group, the one with the larger |scale| sets the step, a quarter of
-    its own, so its values land exactly on the grid (v = 4 q); the other's are rounded to it, off
-    by at most 1/8 of the larger sub-block's step. The bias is -128 x scale, so it is not stored.
-    """
-    d, scales, q = _q6_k_parts(b)
-    n = b.shape[0]
-    pairs = scales.reshape(n, 8, 2)
-    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
-    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
-    v = mx.round(4 * ratio[..., None] * q.reshape(n, 8, 2, 16))
-    # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
-    q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
-    return q8.reshape(n, 256), d * larger / 4, None
-
-
-def _requantized(decode: Callable[[mx.array], mx.array]):
-    """An encoder for Q2_K, whose 16-value sub-blocks each have their own scale and min, so no
-    32-value affine group holds them exactly.
-
-    The exact values are re-quantized to 8 bits per group of 32 (min to max in 255 steps). The
-    scale and bias are rounded to their storage type first and q rounded against those, so the
-    stored weight is within half a step (1/510 of the group's range) of the original.
-    """
-
-    def encode(b: mx.array):
-        w = decode(b).reshape(-1, AFFINE_GROUP_SIZE)
-        low, high = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
-        bias = low.astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
-        scale = ((high - bias) / 255).astype(AFFINE_SCALE_DTYPE).astype(mx.float32)
-        # An all-equal group has no range: any scale works, q = 0.
-        steps = mx.where(scale > 0, (w - bias) / mx.where(scale > 0, scale, 1), 0)
-        q = mx.clip(mx.round(steps), 0, 255).astype(mx.uint8)
-        return q.reshape(b.shape[0], -1), scale.reshape(b.shape[0], -1), bias.reshape(b.shape[0], -1)
-
-    return encode
-
-
-# type -> (bits, encoder: blocks -> (q uint8 [n, block_size], scales [n, groups], biases [n, groups] or None))
-_AFFINE: dict[GGMLQuantizationType, tuple[int, Callable]] = {
-    GGMLQuantizationType.Q4_0: (4, _affine_q4_0),
-    GGMLQuantizationType.Q4_1: (4, _affine_q4_1),
-    GGMLQuantizationType.Q5_0: (5, _affine_q5_0),
-    GGMLQuantizationType.Q5_1: (5, _affine_q5_1),
-    GGMLQuantizationType.Q8_0: (8, _affine_q8_0),
-    GGMLQuantizationType.Q4_K: (4, _affine_q4_k),
-    GGMLQuantizationType.Q5_K: (5, _affine_q5_k),
-    GGMLQuantizationType.IQ4_NL: (8, _affine_iq4_nl),
-    GGMLQuantizationType.IQ4_XS: (8, _affine_iq4_xs),
-    GGMLQuantizationType.Q2_K: (8, _requantized(_q2_k)),
-    GGMLQuantizationType.Q3_K: (8, _affine_q3_k),
-    GGMLQuantizationType.Q6_K: (8, _affine_q6_k),
-}
-AFFINE_TYPES: frozenset[GGMLQuantizationType] = frozenset(_AFFINE)
-# Types whose values MLX holds only approximately (see _affine_q6_k, _requantized); the others are
-# exact up to the float16 rounding of a K-type's scale (d x sub-block scale) and min (dmin x min).
-REQUANTIZED_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q6_K})
-# On a symmetric 8-bit grid: their AffineWeight has no stored biases.
-SYMMETRIC_TYPES: frozenset[GGMLQuantizationType] = frozenset({GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q6_K})
 
 
 def _pack(q: mx.array, bits: int) -> mx.array:
@@ -409,19 +427,20 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     if cols % block_size or raw.nbytes != rows * cols // block_size * type_size:
         raise ValueError(f"{raw.nbytes} bytes of {qtype.name} data do not match shape {shape}")
     raw = raw.reshape(rows, -1)
-    bits, encode = _AFFINE[qtype]
+    form = FORMATS[qtype]
+    bits = form.bits
     groups = cols // AFFINE_GROUP_SIZE
     out = AffineWeight(
         mx.zeros((rows, cols * bits // 32), mx.uint32),
         mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
-        None if qtype in SYMMETRIC_TYPES else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
+        None if form.symmetric else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
         bits,
         qtype,
     )
     step = max(1, _CHUNK_VALUES // cols)
     for start in range(0, rows, step):
         chunk = raw[start : start + step]
-        q, scales, biases = encode(mx.array(chunk).reshape(-1, type_size))
+        q, scales, biases = form.encode(form.fields(mx.array(chunk).reshape(-1, type_size)))
         n = chunk.shape[0]
         # Each slice is written in place, so the tensor is never held twice.
         out.weight[start : start + n] = _pack(q.reshape(n, cols), bits)
@@ -438,4 +457,5 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
 
 def decode_blocks(blocks: mx.array, qtype: GGMLQuantizationType) -> mx.array:
     """Quantized blocks (n, type_size) uint8 as their exact values (n, block_size) float32."""
-    return _DECODERS[GGMLQuantizationType(qtype)](blocks)
+    form = FORMATS[GGMLQuantizationType(qtype)]
+    return form.decode(form.fields(blocks))

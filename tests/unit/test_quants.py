@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as reference
 
-from mlxllama.quants import SUPPORTED_TYPES, _iq4_xs_scales, dequantize, to_affine
+from mlxllama.quants import FORMATS, SUPPORTED_TYPES, _iq4_xs_scales, dequantize, to_affine
 
 TYPE_NAMES = [
     "F32", "F16", "BF16",
@@ -86,6 +86,15 @@ def test_iq4_xs_scales_unpack_as_ggml_does():
     ls = np.stack([((blocks[:, 4 + ib // 2] >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
                    for ib in range(8)], axis=1)
     expected = d * (ls - 32).astype(np.float32)
-    np.testing.assert_array_equal(np.array(_iq4_xs_scales(mx.array(blocks))), expected)
+    np.testing.assert_array_equal(np.array(_iq4_xs_scales(FORMATS[QT.IQ4_XS].fields(mx.array(blocks)))), expected)
     affine = to_affine(blocks, QT.IQ4_XS, (1, 16 * 256))
     np.testing.assert_array_equal(np.array(affine.scales), expected.astype(np.float16).reshape(1, -1))
+
+
+def test_each_block_layout_covers_exactly_the_types_block():
+    """The named fields of each type's block add up to ggml's block size for that type, in byte order."""
+    from gguf import GGML_QUANT_SIZES
+
+    for qtype, form in FORMATS.items():
+        assert sum(size for _, size in form.layout) == GGML_QUANT_SIZES[qtype][1], qtype.name
+        assert len({name for name, _ in form.layout}) == len(form.layout), qtype.name
