@@ -7,7 +7,7 @@ a single forward pass: each row has its own RoPE position, its own cache length 
 hides the slots past that length. A row keeps position p in slot p, as a lone sequence does, so
 a row's logits are bit-identical to its one-at-a-time logits: on the CPU backend, matmuls and
 attention give each row the same result whatever the batch around it, and masked slots add
-exact zeros (tests/test_batch.py checks the logits bit for bit, and the greedy ids). On MLX's
+exact zeros (tests/unit/test_batch.py checks the logits bit for bit, and the greedy ids). On MLX's
 CUDA backend the step goes through the batched kernel (mlxllama.cuda) instead, whose float16
 tensor-core products round each row's inputs differently from one sequence's kernel: there a
 row's logits match its one-at-a-time logits within tests/cuda/test_cuda_step.py's tolerance. A finished

@@ -3,7 +3,7 @@
 Renders every template in the shared fixtures (`../shared/fixtures/templates/*.jinja`, next to the
 checkout) and every built-in template (`templates/*.jinja`) with transformers' own renderer, for a
 few fixed conversations (one of them offering a tool), with and without the generation prompt, and writes
-`tests/reference/template_renderings.json`, which `tests/test_chat_template.py` replays.
+`tests/reference/template_renderings.json`, which `tests/parity/test_chat_template.py` replays.
 
 It needs transformers, which mlxllama does not depend on; it does not need torch:
 

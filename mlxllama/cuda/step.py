@@ -14,6 +14,7 @@ each weight loaded once for all the sequences. Prefill stays on the plain path.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 

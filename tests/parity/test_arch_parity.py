@@ -8,7 +8,6 @@ phi3-longrope-tiny's references at other context sizes.
 """
 
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ tests/fixtures or mlxllama/data when copied into the repo, else from ../shared/f
 """
 
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -491,8 +491,8 @@ def test_quick_array_reader_reads_what_the_stock_reader_reads(name):
     ours, stock = open_gguf(path), GGUFReader(path)
     assert list(ours.metadata) == list(stock.fields)
     arrays = 0
-    for key, field in stock.fields.items():
-        want, got = _field_value(field), ours.metadata[key]
+    for key, stock_field in stock.fields.items():
+        want, got = _field_value(stock_field), ours.metadata[key]
         if isinstance(want, np.ndarray):
             arrays += 1
             assert got.dtype == want.dtype and np.array_equal(got, want), key

@@ -3,7 +3,6 @@
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 from conftest import REPO
 
