@@ -10,15 +10,17 @@ unfinished earlier job are lost if the run is killed, and recomputed when it is 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Sequence, TextIO
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TextIO
 
 from .batching import Request, generate_batch
 from .errors import MlxLlamaError, parse_json_object
+from .files import open_for_append
 from .generate import GenerationResult, check_fits
 from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
 from .sampling import SamplingParams
@@ -142,25 +144,57 @@ def id_key(job_id: Any) -> str:
     return json.dumps(job_id, ensure_ascii=False)
 
 
+# A results line holds one prompt's text and ids; a longer "line" means the file is something else.
+MAX_RESULT_LINE = 64 << 20
+
+
+@contextmanager
+def results_output(out_path: str, input_path: str | None) -> Iterator[tuple[set[str], TextIO]]:
+    """The ids already in the results file and the stream to append new results to, checked before
+    any work is done: '-' is standard output; an existing regular file is resumed (read line by line,
+    cut back to its last complete line); a device or pipe is written without resuming; the input
+    file itself is refused. The file is closed on the way out, its last write checked.
+    """
+    if out_path == "-":
+        yield set(), sys.stdout
+        return
+    if input_path is not None and os.path.exists(out_path) and os.path.exists(input_path) \
+            and os.path.samefile(out_path, input_path):
+        raise MlxLlamaError(f"--out {out_path} is the input file: its prompts would be read as finished results")
+    done = read_done(out_path) if os.path.isfile(out_path) else set()
+    out = open_for_append(out_path)
+    try:
+        yield done, out
+    except BaseException:
+        with suppress(OSError):  # what a full disk left buffered is lost anyway; the error is the first one
+            out.stream.close()
+        raise
+    out.close()
+
+
 def read_done(path: str) -> set[str]:
-    """Ids already in a results file, cut back to its last complete line (a killed run may leave half a line)."""
+    """Ids already in a results file, cut back to its last complete line (a killed run, or a full
+    disk, may leave half a line); memory is bounded by one line, not by the file."""
+    done, offset = set(), 0
     try:
         with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return set()
+            for number, line in enumerate(iter(lambda: f.readline(MAX_RESULT_LINE + 1), b""), 1):
+                if not line.endswith(b"\n"):
+                    if len(line) > MAX_RESULT_LINE:
+                        raise MlxLlamaError(f"{path}:{number}: a line of over {MAX_RESULT_LINE >> 20} MiB,"
+                                            " so this is not a results file to resume")
+                    break  # the cut-off last line
+                try:
+                    done.add(id_key(json.loads(line)["id"]))
+                except (ValueError, KeyError, TypeError):
+                    raise MlxLlamaError(f"{path}:{number}: not a result line, so this is not a results file"
+                                        " to resume") from None
+                offset += len(line)
+        if offset < os.path.getsize(path):
+            with open(path, "r+b") as f:
+                f.truncate(offset)
     except OSError as e:
-        raise MlxLlamaError(f"{path}: cannot read results ({e.strerror})")
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(complete))
-    done = set()
-    for number, line in enumerate(complete.decode("utf-8", errors="replace").splitlines(), 1):
-        try:
-            done.add(id_key(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            raise MlxLlamaError(f"{path}:{number}: not a result line, so this is not a results file to resume")
+        raise MlxLlamaError(f"{path}: cannot read results ({e.strerror})") from None
     return done
 
 
@@ -273,21 +307,20 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
                 break
 
 
-def run_batch(runtime, lines: Iterable[str], source: str, out_path: str, settings: BatchSettings,
+def run_batch(runtime, lines: Iterable[str], source: str, out: TextIO, done: set[str], settings: BatchSettings,
               report: Callable[[str], None], progress: Progress, text_input: bool = False,
               batch_size: int = 8) -> BatchStats:
-    """Run the prompts of an input file and append their results to out_path ('-': stdout).
+    """Run the prompts of an input file and append their results to `out` (results_output's),
+    skipping the ids in `done`.
 
     A bad line is passed to `report` with its line number, and skipped; the others run. Ctrl-C
     stops the run after the current step (`interrupted` in the stats): the results written are
-    kept, and running again with the same out_path resumes.
+    kept, and running again with the same results file resumes.
     """
-    done = set() if out_path == "-" else read_done(out_path)
     try:
         jobs, errors, already_done = read_jobs(lines, source, runtime, settings, text_input, done, report)
     except UnicodeDecodeError as e:
         raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
-    with nullcontext(sys.stdout) if out_path == "-" else open(out_path, "a", encoding="utf-8") as out:
-        run_jobs(runtime, jobs, out, batch_size, stats, progress)
+    run_jobs(runtime, jobs, out, batch_size, stats, progress)
     return stats

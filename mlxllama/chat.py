@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterator
 
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, count
 from .files import write_text_atomic
 from .generate import TextStream
 from .prompt import Template, render_messages, tokenize_rendered, with_system
@@ -66,7 +66,7 @@ class ChatSession:
         ids = self._prompt_ids()
         while len(ids) >= context - min(self.max_tokens, context // 4):
             if len(self.messages) <= 1:
-                raise MlxLlamaError(f"the message is {len(ids)} tokens, too long for the model's context of {context}")
+                raise MlxLlamaError(f"the message is {count(len(ids), 'token')}, too long for the model's context of {context}")
             dropped = 2 if len(self.messages) > 2 else 1
             del self.messages[:dropped]
             self.notify(f"context full: dropped the oldest {dropped} message(s)")
@@ -107,9 +107,7 @@ class ChatSession:
         self.last_result = result
 
     def save(self, path: str) -> None:
-        """Write a JSON transcript of the completed turns; Ctrl-C meanwhile leaves the old file or the new one."""
+        """Write a JSON transcript of the completed turns to a regular file (a symbolic link's target),
+        atomically: Ctrl-C or a full disk meanwhile leaves the old file or the new one."""
         transcript = {"model": self.runtime.path, "template": self.template.label, "messages": self.conversation()}
-        try:
-            write_text_atomic(path, json.dumps(transcript, ensure_ascii=False, indent=2) + "\n")
-        except OSError as e:
-            raise MlxLlamaError(f"{path}: cannot write transcript ({e.strerror})")
+        write_text_atomic(path, json.dumps(transcript, ensure_ascii=False, indent=2) + "\n")

@@ -1,43 +1,49 @@
-"""The `mlxllama chat` loop: read a line, run a /command or send it to the ChatSession, print the reply.
+"""The `mlxllama chat` loop: read a message, run a /command or send it to the ChatSession, print the reply.
 
-Interactive on a terminal (a prompt, Ctrl-C stops the current reply); from a pipe it reads one
-message per line and exits 2 if any line failed, so a script learns of it.
+At a terminal, messages are read with a line editor (line_editor.py): cursor movement, history
+kept across sessions, multi-line messages; Ctrl-C clears the line at the prompt and stops a reply
+while it streams. From a pipe it reads one message per line and exits 2 if any line failed, so a
+script learns of it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
+from typing import Callable, TextIO
 
 import click
 
 from .chat import ChatSession
 from .errors import MlxLlamaError
+from .files import STDOUT, WriteError
+from .line_editor import open_line_editor
 
 CHAT_HELP = """commands: /reset (forget the conversation), /system TEXT (set the system message; empty clears it),
 /history (show the conversation), /save FILE (write a JSON transcript), /quit (or Ctrl-D).
-Ctrl-C stops the current reply."""
+A line ending in \\ continues on the next (so does Alt-Enter, with the line editor); pasted text
+keeps its newlines. Ctrl-C clears the line, or stops the current reply."""
 
 
 def run_chat(session: ChatSession, stdin: TextIO) -> int:
     """Chat until /quit or the end of input; the exit code."""
     interactive = stdin.isatty()
-    failed = False
     if interactive:
-        click.echo(f"mlxllama chat: {os.path.basename(session.runtime.path)}, template {session.template.label}."
-                   f" {CHAT_HELP}", err=True)
+        editor = open_line_editor()
+        click.echo(f"mlxllama chat: {os.path.basename(session.runtime.path)}, template {session.template.label}"
+                   f" ({editor.description}). {CHAT_HELP}", err=True)
+    read = editor.read if interactive else piped_reader(stdin)
+    failed = False
     while True:
         try:
-            line = input(">>> ") if interactive else stdin.readline()
+            line = read()
         except EOFError:
+            click.echo("", err=True)  # Ctrl-D: end the prompt's line before the shell's
             break
         except KeyboardInterrupt:
-            click.echo("", err=True)
-            continue
-        if not interactive and not line:
+            continue  # the line is cleared; a new prompt follows
+        if line is None:
             break
-        line = line.rstrip("\n")
         if not line.strip():
             continue
         try:
@@ -52,10 +58,22 @@ def run_chat(session: ChatSession, stdin: TextIO) -> int:
         except KeyboardInterrupt:
             click.echo("\n[reply stopped]", err=True)
         except MlxLlamaError as e:
+            if isinstance(e, WriteError) and e.path == STDOUT:
+                raise  # the replies have nowhere to go
             # One bad line or command should not end the conversation, but a script should learn of it.
             click.echo(f"mlxllama: error: {e}", err=True)
             failed = True
     return 2 if failed and not interactive else 0
+
+
+def piped_reader(stdin: TextIO) -> Callable[[], str | None]:
+    """One message a line of a pipe; None at its end."""
+
+    def read() -> str | None:
+        line = stdin.readline()
+        return line.removesuffix("\n") if line else None
+
+    return read
 
 
 def run_command(session: ChatSession, line: str) -> bool:
@@ -71,7 +89,10 @@ def run_command(session: ChatSession, line: str) -> bool:
         session.set_system(argument)
         click.echo(f"[system message {'set' if argument else 'cleared'}]", err=True)
     elif command == "/history":
-        for message in session.conversation():
+        conversation = session.conversation()
+        if not conversation:
+            click.echo("[no messages yet]", err=True)
+        for message in conversation:
             click.echo(f"{message['role']}: {message['content']}")
     elif command == "/save":
         if not argument:
@@ -79,5 +100,5 @@ def run_command(session: ChatSession, line: str) -> bool:
         session.save(argument)
         click.echo(f"[saved {argument}]", err=True)
     else:
-        click.echo(f"[unknown command {command}; {CHAT_HELP}]", err=True)
+        click.echo(f"[unknown command {command}; the commands are /reset, /system, /history, /save, /quit]", err=True)
     return False

@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 
 import click
 
-from .errors import MlxLlamaError, parse_json_object
+from .errors import MlxLlamaError, count, parse_json_object
+from .files import STDOUT, CheckedStream, WriteError, check_output_dir
 
 MODEL_ENV = "MLXLLAMA_MODEL"
 
@@ -23,21 +24,62 @@ def default_model_path() -> str:
 
 
 class Main(click.Group):
-    """Turns user-fixable problems into one line on stderr and exit code 2, Ctrl-C into exit code 130."""
+    """Turns user-fixable problems into one line on stderr and exit code 2, Ctrl-C into exit code 130.
+
+    Usage errors (a missing or malformed option, an unknown command) are one line naming the
+    option too, not click's usage block; standard output goes through a CheckedStream, so a full
+    disk or a closed terminal there is the same one-line error as for any file.
+    """
+
+    def main(self, args=None, prog_name=None, **extra):
+        try:
+            return super().main(args, "mlxllama", standalone_mode=False, **extra)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx else "mlxllama"
+            fail(f"{' '.join(e.format_message().split())} (see '{command} --help')")
+        except click.ClickException as e:
+            fail(" ".join(e.format_message().split()), e.exit_code)
+        except click.Abort:
+            click.echo("\nmlxllama: interrupted", err=True)
+            sys.exit(130)
 
     def invoke(self, ctx):
+        stdout = sys.stdout
+        sys.stdout = CheckedStream(stdout, STDOUT)
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            finally:
+                sys.stdout.flush()  # here, so that a full disk is reported, not met again at exit
         except MlxLlamaError as e:
-            click.echo(f"mlxllama: error: {e}", err=True)
-            ctx.exit(2)
+            if isinstance(e, WriteError) and e.path == STDOUT:
+                silence_stdout()
+            fail(str(e))
         except KeyboardInterrupt:
             click.echo("\nmlxllama: interrupted", err=True)
-            ctx.exit(130)
+            sys.exit(130)
         except BrokenPipeError:
             # The reader went away (e.g. `| head`); stop quietly rather than raise again at exit.
-            sys.stdout = open(os.devnull, "w")
-            ctx.exit(0)
+            silence_stdout()
+            sys.exit(0)
+        finally:
+            if isinstance(sys.stdout, CheckedStream):
+                sys.stdout = stdout
+
+
+def fail(message: str, code: int = 2) -> None:
+    click.echo(f"mlxllama: error: {message}", err=True)
+    sys.exit(code)
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, so that what is still buffered for it is dropped at exit
+    instead of failing again there."""
+    sys.stdout = open(os.devnull, "w")
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured output)
+        pass
 
 
 @click.group(cls=Main)
@@ -84,7 +126,7 @@ def sampling_params(options: dict):
 
 def template_options(f):
     options = [
-        click.option("--no-template", is_flag=True, help="Feed the raw prompt with BOS only."),
+        click.option("--no-template", is_flag=True, help="Feed the raw prompt, with BOS if the file asks for one (as llama.cpp)."),
         click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template."),
         click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file."),
         click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object."),
@@ -96,9 +138,15 @@ def template_options(f):
     return f
 
 
-def check_no_template(no_template: bool, system: str | None, compare_template: bool) -> None:
+def check_no_template(no_template: bool, system: str | None, compare_template: bool, template_name: str | None,
+                      template_file: str | None) -> None:
+    """The template options that exclude each other, named in one line."""
     if no_template and (system or compare_template):
         raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
+    given = [name for name, value in (("--no-template", no_template), ("--template", template_name),
+                                      ("--template-file", template_file)) if value]
+    if len(given) > 1:
+        raise MlxLlamaError(f"{' and '.join(given)} exclude each other: give one template source")
 
 
 def parse_template_kwargs(raw: str | None) -> dict:
@@ -152,8 +200,8 @@ def fit_prompt(runtime, ids: list[int], max_tokens: int, truncate: bool) -> list
         return ids
     kept = truncate_prompt(ids, context, max_tokens, runtime.tokenizer.bos_id)
     if len(kept) < len(ids):
-        click.echo(f"[prompt truncated: dropped {len(ids) - len(kept)} of its {len(ids)} tokens from the start, "
-                   f"kept {len(kept)} of the context's {context}]", err=True)
+        click.echo(f"[prompt truncated: dropped {len(ids) - len(kept)} of its {count(len(ids), 'token')} from the start,"
+                   f" kept {len(kept)} of the context's {context}]", err=True)
     return kept
 
 
@@ -188,10 +236,10 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
 
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
-    check_no_template(no_template, system, compare_template)
+    check_no_template(no_template, system, compare_template, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
-    runtime = load_model(model_path)
     params = sampling_params(sampling)
+    runtime = load_model(model_path)
     messages = messages_for(prompt_text, system)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
     runs = [template, NO_TEMPLATE] if compare_template else [template]
@@ -209,6 +257,9 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
+            if not stream.result.text:
+                why = "its first token ended the reply" if stream.result.finish_reason == "stop" else "no room to reply"
+                click.echo(f"[no text: {why}]", err=True)
         else:
             stream.run()
         results.append({"model": runtime.path, "template": prompt.template, "prompt": prompt.text,
@@ -257,6 +308,7 @@ def chat(model_path, template_name, template_file, template_kwargs, system, **sa
     from .chat_repl import run_chat
     from .prompt import choose_template
 
+    check_no_template(False, system, False, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
     template = choose_template(runtime.chat_template, template_name, template_file)
@@ -284,7 +336,7 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
               help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
 @click.option("--text", "text_input", is_flag=True, help="PROMPTS is plain text, one prompt per line.")
 @click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(1), help="Sequences decoded together.")
-@click.option("--no-template", is_flag=True, help="Feed raw prompts with BOS only (a line may override).")
+@click.option("--no-template", is_flag=True, help="Feed raw prompts, with BOS if the file asks for one (a line may override).")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template (lines may override).")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
@@ -306,18 +358,19 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     mlxllama batch prompts.jsonl --out results.jsonl
     printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
     """
-    from .batch_jobs import BatchSettings, run_batch
+    from .batch_jobs import BatchSettings, results_output, run_batch
     from .prompt import choose_template
 
-    check_no_template(no_template, system, compare_template)
+    check_no_template(no_template, system, compare_template, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
-    runtime = load_model(model_path)
-    settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),
-                             system, kwargs, sampling_params(sampling), sampling["max_tokens"], sampling["stop"],
-                             compare_template)
+    params = sampling_params(sampling)
     source = "<stdin>" if prompts_file.name == "<stdin>" else prompts_file.name
-    stats = run_batch(runtime, prompts_file, source, out_path, settings, lambda message: click.echo(message, err=True),
-                      batch_progress, text_input, batch_size)
+    with results_output(out_path, None if source == "<stdin>" else source) as (done, out):
+        runtime = load_model(model_path)
+        settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),
+                                 system, kwargs, params, sampling["max_tokens"], sampling["stop"], compare_template)
+        stats = run_batch(runtime, prompts_file, source, out, done, settings,
+                          lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size)
     click.echo(stats.summary(summary), err=True)
     if stats.interrupted:
         where = "written to stdout" if out_path == "-" else f"in {out_path}; run the same command again to resume"
@@ -414,6 +467,9 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         raise MlxLlamaError("--steps and --top-k must be at least 1")
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
+    check_no_template(no_template, system, False, template_name, template_file)
+    if dump_dir:
+        check_output_dir(dump_dir)
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
@@ -428,7 +484,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         click.echo(json.dumps({"model": runtime.path, "template": prompt.template, "prompt_ids": prompt.ids,
                                "passes": [asdict(p) for p in result.passes]}, ensure_ascii=False))
         return
-    click.echo(f"model {runtime.path}, template {prompt.template}, prompt of {len(prompt.ids)} tokens")
+    click.echo(f"model {runtime.path}, template {prompt.template}, prompt of {count(len(prompt.ids), 'token')}")
     for number, one_pass in enumerate(result.passes, 1):
         click.echo(trace.format_pass(number, one_pass, runtime.tokenizer))
     if dump_dir:

@@ -9,6 +9,11 @@ class MlxLlamaError(Exception):
     """A problem with user input (a file, a template, a flag) that the user can fix."""
 
 
+def count(n: int, noun: str) -> str:
+    """"1 token", "2 tokens": a number with its noun, for messages."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def parse_json_object(text: str, source: str = "") -> dict:
     """`text` as a JSON object, else an MlxLlamaError of one line, prefixed with `source: ` when given.
 

@@ -9,7 +9,7 @@ from typing import Iterable, Iterator, Sequence
 import mlx.core as mx
 
 from .cache import KVCache
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, count
 from .models import Transformer
 from .sampling import Sampler
 from .tokenizer import StreamingDetokenizer, Tokenizer
@@ -34,7 +34,7 @@ def check_fits(n_tokens: int, context_length: int, hint: str = "") -> None:
     if n_tokens == 0:
         raise MlxLlamaError("the prompt is empty: generation needs at least one token to feed")
     if n_tokens > context_length:
-        raise MlxLlamaError(f"prompt is {n_tokens} tokens, more than the model's context of {context_length}{hint}")
+        raise MlxLlamaError(f"prompt is {count(n_tokens, 'token')}, more than the model's context of {context_length}{hint}")
 
 
 def truncate_prompt(ids: Sequence[int], context_length: int, max_tokens: int, bos_id: int | None) -> list[int]:

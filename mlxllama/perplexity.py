@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, count as count_of
 from .generate import PREFILL_CHUNK
 from .models import Transformer
 
@@ -88,7 +88,7 @@ def perplexity(model: Transformer, tokens: Sequence[int], n_ctx: int, bos_id: in
     if n_ctx > model.config.context_length:
         raise MlxLlamaError(f"--ctx {n_ctx} is more than the model's context of {model.config.context_length}")
     if len(tokens) < 2 * n_ctx:
-        raise MlxLlamaError(f"the text is {len(tokens)} tokens; perplexity with --ctx {n_ctx} needs at least "
+        raise MlxLlamaError(f"the text is {count_of(len(tokens), 'token')}; perplexity with --ctx {n_ctx} needs at least "
                             f"{2 * n_ctx} (two chunks)")
     n_chunks, first = len(tokens) // n_ctx, n_ctx // 2
     total = total_sq = 0.0

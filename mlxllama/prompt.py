@@ -86,7 +86,7 @@ def tokenize_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def build_prompt(tokenizer: Tokenizer, template: Template, messages: Sequence[dict[str, Any]],
                  template_kwargs: dict | None = None) -> Prompt:
-    """Without a template, the last user message is fed as raw text with BOS only."""
+    """Without a template, the last user message is fed as raw text, with BOS where the vocabulary adds one."""
     if template.text is None:
         text = messages[-1]["content"]
         return Prompt(text, tokenizer.encode(text, add_bos=True, special=False), template.label)

@@ -34,8 +34,8 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .errors import MlxLlamaError
-from .files import write_text_atomic
+from .errors import MlxLlamaError, count
+from .files import WriteError, write_text_atomic
 from .generate import check_fits
 from .models import Transformer
 from .tokenizer import Tokenizer
@@ -172,7 +172,7 @@ def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, 
         }
         write_text_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
     except OSError as e:
-        raise MlxLlamaError(f"{directory}: cannot write the dump ({e.strerror})")
+        raise WriteError(getattr(e, "filename", None) or directory, e) from None
 
 
 # ---- comparing dumps -----------------------------------------------------------------------
@@ -274,7 +274,7 @@ def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
 
 def format_pass(number: int, result: Pass, tokenizer: Tokenizer) -> str:
     if number == 1:
-        fed = f"prompt, positions {result.first_position}-{result.cache_length - 1} ({len(result.token_ids)} tokens)"
+        fed = f"prompt, positions {result.first_position}-{result.cache_length - 1} ({count(len(result.token_ids), 'token')})"
     else:
         token = result.token_ids[0]
         text = json.dumps(token_text(tokenizer, token), ensure_ascii=False)

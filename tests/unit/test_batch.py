@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxllama
-from mlxllama.batch_jobs import BatchSettings, run_batch
+from mlxllama.batch_jobs import BatchSettings, results_output, run_batch
 from mlxllama.batching import Request, batch_generate
 from mlxllama.cache import make_batch_cache, make_cache
 from mlxllama.cli import main
@@ -150,7 +150,8 @@ def test_job_runner_reports_through_its_callers_callbacks(runtime, tmp_path, cap
         yield lambda: progress.append("written")
 
     out = tmp_path / "out.jsonl"
-    stats = run_batch(runtime, lines, "in.jsonl", str(out), BatchSettings(NO_TEMPLATE), reported.append, track)
+    with results_output(str(out), None) as (done, stream):
+        stats = run_batch(runtime, lines, "in.jsonl", stream, done, BatchSettings(NO_TEMPLATE), reported.append, track)
     assert capfd.readouterr() == ("", "")
     assert reported == ["in.jsonl:2: not valid JSON (Expecting value at column 1)"]
     assert progress == [2, "written", "written"]
@@ -238,7 +239,7 @@ def test_malformed_lines_are_reported_and_skipped(cli, tmp_path):
 def test_unreadable_input_or_output_is_a_one_line_error(cli, tmp_path):
     write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "x"})])
     result = cli("batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path))
-    assert result.exit_code == 2 and f"{tmp_path}: cannot read results" in result.stderr
+    assert (result.exit_code, result.stderr) == (2, f"mlxllama: error: cannot write {tmp_path}: is a directory\n")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00a\n")
     result = cli("batch", "--text", str(tmp_path / "bin.txt"), "-o", str(tmp_path / "out.jsonl"))
     assert result.exit_code == 2 and "bin.txt: not UTF-8 text" in result.stderr
