@@ -42,17 +42,19 @@ class Request:
     stop: Sequence[str] = ()
 
 
-class _Row:
+class Row:
     """A sequence being generated: its sampler, ids so far, text and timings."""
 
-    def __init__(self, index: int, request: Request, tokenizer: Tokenizer, context_length: int):
+    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int):
         self.index, self.request = index, request
         self.sampler = make_sampler(request.params)
         self.context = list(request.ids)  # what the repeat penalty looks back on
         self.ids: list[int] = []
         self.collector = TextCollector(tokenizer, request.stop)
+        self.new_text = ""  # text made final since a caller last took it (take_text)
         # Like generate_tokens: never run past the model's context.
         self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
+        self.finished = self.max_tokens <= 0
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
 
@@ -62,13 +64,70 @@ class _Row:
             self.first_token_time = time.perf_counter()
         self.ids.append(token_id)
         self.context.append(token_id)
-        self.collector.add(token_id)
-        return self.collector.finish is not None or len(self.ids) >= self.max_tokens
+        self.new_text += self.collector.add(token_id)
+        self.finished = self.collector.finish is not None or len(self.ids) >= self.max_tokens
+        return self.finished
+
+    def take_text(self) -> str:
+        text, self.new_text = self.new_text, ""
+        return text
 
     def result(self) -> GenerationResult:
-        self.collector.close()
+        self.new_text += self.collector.close()
         return GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids), self.start,
                                    self.first_token_time)
+
+
+class BatchDecoder:
+    """Rows that join and leave between decode steps (continuous batching): one forward pass a
+    step for every row, each at its own position. The engine of generate_batch and of the server."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8):
+        if batch_size < 1:
+            raise MlxLlamaError("the batch size must be at least 1")
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.cache = model.make_batch_cache()
+        self.rows: list[Row] = []
+
+    @property
+    def room(self) -> int:
+        return self.batch_size - len(self.rows)
+
+    def admit(self, index, request: Request) -> Row:
+        """Prefill a request on its own and sample its first token; the row joins the batch unless
+        that already finished it (row.finished)."""
+        check_fits(len(request.ids), self.model.config.context_length)
+        row = Row(index, request, self.tokenizer, self.model.config.context_length)
+        if row.finished:
+            return row
+        single = self.model.make_cache()
+        first = row.sampler(prefill(self.model, request.ids, single), row.context)
+        if not row.accept(first.item()):
+            for layer, row_layer in zip(self.cache, single):
+                layer.add(row_layer)
+            self.rows.append(row)
+        return row
+
+    def step(self) -> list[Row]:
+        """One decode step of every row; the rows it finished, which have left the batch."""
+        if not self.rows:
+            return []
+        logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
+        tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(self.rows)]).tolist()
+        done = [row.accept(token) for row, token in zip(self.rows, tokens)]
+        finished = [row for row, d in zip(self.rows, done) if d]
+        if finished:
+            self.drop(finished)
+        return finished
+
+    def drop(self, rows: Sequence[Row]) -> None:
+        """Take rows out of the batch (finished, or their caller went away), freeing their cache."""
+        gone = {id(row) for row in rows}
+        keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            for layer in self.cache:
+                layer.keep(keep)
 
 
 def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request],
@@ -78,38 +137,17 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
     After each step, yields the requests that finished in it as (index in requests, result),
     often none, so a caller can write results as they come and stop cleanly between steps.
     """
-    if batch_size < 1:
-        raise MlxLlamaError("the batch size must be at least 1")
+    decoder = BatchDecoder(model, tokenizer, batch_size)
     for request in requests:
         check_fits(len(request.ids), model.config.context_length)
     waiting = deque(enumerate(requests))
-    cache = model.make_batch_cache()
-    rows: list[_Row] = []
-    while rows or waiting:
+    while decoder.rows or waiting:
         finished = []
-        while waiting and len(rows) < batch_size:
-            row = _Row(*waiting.popleft(), tokenizer, model.config.context_length)
-            if row.max_tokens <= 0:
+        while waiting and decoder.room:
+            row = decoder.admit(*waiting.popleft())
+            if row.finished:
                 finished.append(row)
-                continue
-            single = model.make_cache()
-            first = row.sampler(prefill(model, row.request.ids, single), row.context)
-            if row.accept(first.item()):
-                finished.append(row)
-                continue
-            for layer, row_layer in zip(cache, single):
-                layer.add(row_layer)
-            rows.append(row)
-        if rows:
-            logits = model.step(mx.array([[row.ids[-1]] for row in rows]), cache)
-            tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(rows)]).tolist()
-            done = [row.accept(token) for row, token in zip(rows, tokens)]
-            if any(done):
-                finished += [row for row, d in zip(rows, done) if d]
-                keep = [i for i, d in enumerate(done) if not d]
-                rows = [rows[i] for i in keep]
-                for layer in cache:
-                    layer.keep(keep)
+        finished += decoder.step()
         yield [(row.index, row.result()) for row in finished]
 
 

@@ -379,6 +379,49 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     sys.exit(2 if stats.errors else 0)
 
 
+@main.command("serve")
+@model_option
+@dequantize_option
+@context_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; one reachable from other machines needs --api-key.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--api-key", metavar="KEY", envvar="MLXLLAMA_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every request (or $MLXLLAMA_API_KEY).")
+@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1),
+              help="Most requests decoded together; more wait for a free row.")
+@click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
+@click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
+@sampling_options
+def serve_command(model_path, host, port, api_key, max_batch, template_name, template_file, **sampling):
+    """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
+
+    Chat requests get the chat template explicitly (a request may pick another with "chat_template",
+    or "none"); /v1/completions feeds the raw prompt. The sampling options are the defaults a
+    request's own fields override.
+
+    \b
+    mlxllama serve -m model.gguf --port 8080
+    curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from .prompt import choose_template
+    from .server import serve
+
+    try:
+        from .server.app import ServerSettings
+    except ImportError as e:
+        raise MlxLlamaError(f"mlxllama serve needs {e.name}: pip install \"mlxllama[serve]\"") from None
+
+    check_no_template(False, None, False, template_name, template_file)
+    params = sampling_params(sampling)
+    runtime = load_model(model_path)
+    settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
+                              sampling["max_tokens"], api_key or None)
+    serve(runtime, settings, host, port, max_batch,
+          on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
+                                          f" (template {settings.template.label}); Ctrl-C stops", err=True))
+
+
 @main.command("bench")
 @model_option
 @click.option("--synthetic", metavar="NAME",

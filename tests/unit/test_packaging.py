@@ -22,3 +22,4 @@ def test_wheel_contains_demo_model_and_templates(tmp_path):
     assert "mlxllama/cli.py" in names
     assert {"mlxllama/cuda/decode_step.cu", "mlxllama/cuda/decode_batch.cu"} <= names  # read by mlxllama.cuda
     assert {"mlxllama/models/llama.py", "mlxllama/models/qwen2.py", "mlxllama/models/phi3.py"} <= names
+    assert {"mlxllama/server/app.py", "mlxllama/server/engine.py", "mlxllama/line_editor.py"} <= names

@@ -1,0 +1,129 @@
+"""OpenAI's request fields, checked and turned into generation settings; its error body.
+
+Every problem with a request is an ApiError naming the field, answered as HTTP 400 with the body
+`{"error": {"message", "type", "param", "code"}}` that OpenAI's clients parse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling import InvalidSampling, SamplingParams
+
+# Fields a client may send that change nothing here (OpenAI's bookkeeping).
+IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier"}
+# Fields of OpenAI's API this server does not implement yet: refused rather than silently ignored.
+NOT_YET = {"logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "tools", "tool_choice",
+           "response_format", "echo", "suffix", "best_of", "functions", "function_call"}
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Settings:
+    """What one request asks for, besides its prompt."""
+
+    max_tokens: int
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    template: str | None  # chat_template: a built-in name, "none", or None for the server's
+    template_kwargs: dict
+    return_prompt: bool
+
+
+def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int, known: set[str]) -> Settings:
+    """The request's settings over the server's defaults; `known` are the endpoint's own fields."""
+    for name in body:
+        if name in NOT_YET:
+            raise ApiError(f"'{name}' is not supported by this server yet", name)
+        if name not in known | IGNORED | set(SAMPLING_FIELDS) | {
+                "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template",
+                "chat_template_kwargs", "return_prompt"}:
+            raise ApiError(f"unknown field '{name}'", name)
+    if body.get("n", 1) != 1:
+        raise ApiError("only n = 1 is supported", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if not _integer(max_tokens) or max_tokens < 0:
+        raise ApiError(f"'{field}' must be a non-negative integer", field)
+    overrides = {}
+    for name, setting in SAMPLING_FIELDS.items():
+        if name in body:
+            value = body[name]
+            if value is not None and not (_integer(value) or isinstance(value, float) and math.isfinite(value)):
+                raise ApiError(f"'{name}' must be a number", name)
+            overrides[setting] = value
+    try:
+        params = defaults.with_overrides(**overrides)
+    except InvalidSampling as e:
+        raise ApiError(f"'{e.name}' must be {e.must}, got {e.value!r}", e.name) from None
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+        raise ApiError("'stop' must be a string or a list of at most 16 strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("'stream' must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("'stream_options' must be an object", "stream_options")
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ApiError("'chat_template' must be a built-in template name or \"none\"", "chat_template")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return_prompt = body.get("return_prompt", False)
+    if not isinstance(return_prompt, bool):
+        raise ApiError("'return_prompt' must be true or false", "return_prompt")
+    return Settings(max_tokens, params, tuple(stop), stream, bool(options.get("include_usage")), template, kwargs,
+                    return_prompt)
+
+
+def read_messages(body: dict) -> list[dict[str, Any]]:
+    """The chat messages, each content as text (a string, or a list of text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def read_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError("'prompt' must be a string", "prompt")
+    return prompt
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,184 @@
+"""`mlxllama serve` as clients reach it: a real server process on a loopback port, the official
+`openai` client, and raw HTTP for what a client library would not send."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import mlxllama
+
+from conftest import PACKAGE_DATA, REPO
+
+MODEL = PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf"
+JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
+# The Japan question as the file's template renders it, tokenized (the fixtures' README).
+JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5546, 29973, 2, 29871, 13, 29966,
+             29989, 465, 22137, 29989, 29958, 13]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "mlxllama", "serve", "--port", str(self.port), *args],
+                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+            if self.process.poll() is not None:
+                raise AssertionError(self.process.stderr.read())
+        raise AssertionError("the server did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return mlxllama.load(MODEL)
+
+
+def test_chat_completion_through_the_openai_client(client):
+    response = client.chat.completions.create(model="chat-tiny", messages=JAPAN)
+    choice = response.choices[0]
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant", "The capital of Japan is Tokyo.", "stop")
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (24, 8)
+    assert response.system_fingerprint == "mlxllama:chat-tiny-Q4_K_M.gguf:gguf (zephyr)"
+
+
+def test_streamed_chat_is_the_same_text_and_ends_with_usage(client):
+    chunks = list(client.chat.completions.create(model="chat-tiny", messages=JAPAN, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The capital of Japan is Tokyo."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 32
+
+
+def test_completions_feed_the_raw_prompt_as_generate_no_template_does(client, runtime):
+    response = client.completions.create(model="chat-tiny", prompt="The capital of Italy is", max_tokens=2)
+    assert response.choices[0].text == " Rome." == runtime.generate("The capital of Italy is", 2).text
+    assert response.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="chat-tiny", prompt="The capital of Italy is", max_tokens=2, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == " Rome."
+
+
+def test_the_prompt_fed_is_returned_on_request(server):
+    body = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": JAPAN, "return_prompt": True}).json()
+    assert body["prompt"]["token_ids"] == JAPAN_IDS
+    assert body["prompt"]["text"] == "<|user|>\nWhat is the capital of Japan?</s>\n<|assistant|>\n"
+    raw = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": JAPAN, "chat_template": "none", "return_prompt": True, "max_tokens": 4}).json()
+    assert raw["prompt"]["text"] == "What is the capital of Japan?" and raw["prompt"]["template"] == "none"
+
+
+def test_concurrent_requests_each_get_their_single_request_text(client, runtime):
+    """Eight clients at once share the batch; greedy, each text is what generate gives alone."""
+    questions = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is the capital of France?",
+                 "What is 3 plus 4?", "Hello!", "What is the capital of Italy?", "What is the opposite of hot?"]
+
+    def ask(question: str) -> str:
+        response = client.chat.completions.create(model="chat-tiny", max_tokens=24,
+                                                  messages=[{"role": "user", "content": question}])
+        return response.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, questions))
+    for question, answer in zip(questions, answers):
+        prompt = runtime.apply_chat_template([{"role": "user", "content": question}])
+        assert answer == runtime.generate(runtime.tokenize(prompt, special=True), 24).text
+
+
+def test_a_client_that_goes_away_frees_its_row(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions",
+                      json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as response:
+        next(response.iter_lines())
+    deadline = time.time() + 10
+    while httpx.get(f"{server.url}/health").json()["requests_running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/health").json()["requests_running"] == 0
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ("{not json", None, "not valid JSON"),
+    ('["a list"]', None, "must be a JSON object"),
+    (json.dumps({"messages": JAPAN, "n": 2}), "n", "only n = 1"),
+    (json.dumps({"messages": "hi"}), "messages", "'messages' must be a non-empty list"),
+    (json.dumps({"messages": JAPAN, "temperature": "hot"}), "temperature", "'temperature' must be a number"),
+    (json.dumps({"messages": JAPAN, "top_p": 0}), "top_p", "'top_p' must be a number in (0, 1]"),
+    (json.dumps({"messages": JAPAN, "chat_template": "nope"}), "chat_template", "unknown chat template"),
+    (json.dumps({"messages": JAPAN, "logprobs": True}), "logprobs", "not supported by this server yet"),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}), "messages", "more than the model's context"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, param, fragment):
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_tokenize_and_detokenize(server, runtime):
+    ids = httpx.post(f"{server.url}/tokenize", json={"content": "The capital of Italy is"}).json()["tokens"]
+    assert ids == [450, 7483, 310, 12730, 338]
+    with_bos = httpx.post(f"{server.url}/tokenize", json={"content": "The capital of Italy is", "add_special": True})
+    assert with_bos.json()["tokens"] == [1] + ids
+    # As Runtime.detokenize: without BOS first, SentencePiece's space prefix stays.
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["content"] == runtime.detokenize(ids)
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [1] + ids}).json()["content"] == (
+        "The capital of Italy is")
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["chat-tiny-Q4_K_M.gguf"]
+
+
+def test_an_api_key_is_required_when_given():
+    server = Server("--api-key", "s3cret")
+    try:
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        assert right.chat.completions.create(model="m", messages=JAPAN).choices[0].message.content.startswith("The")
+    finally:
+        server.stop()
+
+
+def test_a_host_other_machines_reach_needs_a_key():
+    result = subprocess.run([sys.executable, "-m", "mlxllama", "serve", "--host", "0.0.0.0", "--port", "0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == ("mlxllama: error: --host 0.0.0.0 is reachable from other machines:"
+                             " give --api-key KEY too\n")
