@@ -106,12 +106,29 @@ def sampling_options(f):
         click.option("--min-p", default=0.05, show_default=True, help="Drop tokens below min-p x the top probability."),
         click.option("--repeat-penalty", default=1.0, show_default=True, help="Penalty for recent tokens (1: off)."),
         click.option("--repeat-last-n", default=64, show_default=True, help="Window of the repeat penalty (-1: all)."),
+        click.option("--presence-penalty", default=0.0, show_default=True,
+                     help="Subtracted once from a generated token's logit (OpenAI's; -2 to 2)."),
+        click.option("--frequency-penalty", default=0.0, show_default=True,
+                     help="Subtracted from a token's logit for each time it was generated (OpenAI's; -2 to 2)."),
+        click.option("--logit-bias", multiple=True, metavar="ID=BIAS", callback=parse_logit_bias,
+                     help="Add BIAS (-100 to 100) to token ID's logit (repeatable)."),
         click.option("--seed", type=click.IntRange(0), default=None, help="Random seed for sampling (reproducible runs)."),
         click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def parse_logit_bias(ctx, param, values) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for value in values:
+        token, _, bias = value.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not ID=BIAS (e.g. 29889=-100)") from None
+    return tuple(pairs)
 
 
 def sampling_params(options: dict):

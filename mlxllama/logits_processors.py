@@ -1,10 +1,13 @@
-"""What changes the logits before sampling looks at them: the repeat penalty."""
+"""What changes the logits before sampling looks at them: llama.cpp's repeat penalty, OpenAI's
+presence and frequency penalties, and a bias on chosen tokens."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import mlx.core as mx
+
+from .errors import MlxLlamaError
 
 
 def apply_repeat_penalty(logits: mx.array, history: Sequence[int], penalty: float, last_n: int,
@@ -25,3 +28,29 @@ def apply_repeat_penalty(logits: mx.array, history: Sequence[int], penalty: floa
     chosen = logits[recent]
     logits[recent] = mx.where(chosen > 0, chosen / penalty, chosen * penalty)
     return logits
+
+
+class GeneratedCounts:
+    """How often each token was generated so far, kept on the device: the sampler adds each token
+    it picks without waiting for its value, so the decode loop never stalls for it."""
+
+    def __init__(self):
+        self.counts: mx.array | None = None
+
+    def add(self, token: mx.array) -> None:
+        self.counts = self.counts.at[token.reshape(1)].add(1)
+
+    def penalize(self, logits: mx.array, presence: float, frequency: float) -> mx.array:
+        """OpenAI's rule: logit - frequency x count - presence x (count > 0)."""
+        if self.counts is None:
+            self.counts = mx.zeros(logits.shape[-1], mx.float32)
+        return logits - frequency * self.counts - presence * (self.counts > 0)
+
+
+def apply_logit_bias(logits: mx.array, bias: tuple[tuple[int, float], ...]) -> mx.array:
+    vocab = logits.shape[-1]
+    outside = [token for token, _ in bias if token >= vocab]
+    if outside:
+        raise MlxLlamaError(f"logit bias: token id {outside[0]} is not in the vocabulary of {vocab}")
+    ids = mx.array([token for token, _ in bias], mx.uint32)
+    return logits.at[ids].add(mx.array([value for _, value in bias], logits.dtype))

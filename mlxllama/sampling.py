@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from .errors import MlxLlamaError
-from .logits_processors import apply_repeat_penalty
+from .logits_processors import GeneratedCounts, apply_logit_bias, apply_repeat_penalty
 
 
 class InvalidSampling(MlxLlamaError):
@@ -34,6 +34,12 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1 is off
     repeat_last_n: int = 64  # window of the repeat penalty; -1: everything so far
     seed: int | None = None  # None: a random seed
+    # OpenAI's penalties, subtracted from a token's logit for each time it was generated before
+    # (frequency) and once if it was at all (presence); 0 is off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias) pairs added to those tokens' logits, OpenAI's logit_bias.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         def check(name: str, ok: bool, must: str) -> None:
@@ -53,6 +59,13 @@ class SamplingParams:
         check("repeat_penalty", number(self.repeat_penalty) and self.repeat_penalty > 0, "a finite number > 0")
         check("repeat_last_n", integer(self.repeat_last_n) and self.repeat_last_n >= -1, "an integer >= -1")
         check("seed", self.seed is None or integer(self.seed) and self.seed >= 0, "null or an integer >= 0")
+        check("presence_penalty", number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              "a number in [-2, 2]")
+        check("frequency_penalty", number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              "a number in [-2, 2]")
+        check("logit_bias", isinstance(self.logit_bias, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and integer(pair[0]) and pair[0] >= 0 and number(pair[1])
+            and -100 <= pair[1] <= 100 for pair in self.logit_bias), "(token id, bias in [-100, 100]) pairs")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -76,17 +89,27 @@ def make_sampler(params: SamplingParams) -> Sampler:
     decode loop queues the next step before waiting for it, and the penalty must still see it.
     """
     key = mx.random.key(params.seed) if params.seed is not None else None
+    generated = GeneratedCounts() if params.presence_penalty or params.frequency_penalty else None
 
     def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None) -> mx.array:
         nonlocal key
         logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n, pending)
+        if generated is not None:
+            logits = generated.penalize(logits, params.presence_penalty, params.frequency_penalty)
+        if params.logit_bias:
+            logits = apply_logit_bias(logits, params.logit_bias)
         if params.temperature <= 0:
-            return mx.argmax(logits, axis=-1)
-        logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-        if key is None:
-            return mx.random.categorical(logits)
-        key, step_key = mx.random.split(key)
-        return mx.random.categorical(logits, key=step_key)
+            token = mx.argmax(logits, axis=-1)
+        else:
+            logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+            if key is None:
+                token = mx.random.categorical(logits)
+            else:
+                key, step_key = mx.random.split(key)
+                token = mx.random.categorical(logits, key=step_key)
+        if generated is not None:
+            generated.add(token)
+        return token
 
     return sample
 

@@ -14,6 +14,8 @@ import json
 import os
 import time
 import uuid
+
+import mlx.core as mx
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -46,6 +48,7 @@ def create_app(runtime, engine: Engine, settings: ServerSettings) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
     ]
@@ -61,7 +64,8 @@ class Api:
     # ---- the routes ----------------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", "requests_running": self.engine.running})
+        return JSONResponse({"status": "ok", "requests_running": self.engine.running,
+                             "active_memory_bytes": mx.get_active_memory()})
 
     async def models(self, request: HttpRequest) -> Response:
         return await self._guarded(request, lambda body: JSONResponse({"object": "list", "data": [
@@ -87,6 +91,35 @@ class Api:
             return await self._respond(prompt, settings, chat=False)
 
         return await self._guarded(request, handle)
+
+    async def messages(self, request: HttpRequest) -> Response:
+        """Anthropic's Messages API: its fields read as the OpenAI ones they mean."""
+
+        async def handle(body: dict) -> Response:
+            if not _integer_at_least(body.get("max_tokens"), 1):
+                raise ApiError("'max_tokens' is required: a positive integer", "max_tokens")
+            system = body.get("system")
+            if isinstance(system, list):
+                system = read_messages({"messages": [{"role": "system", "content": system}]})[0]["content"]
+            if system is not None and not isinstance(system, str):
+                raise ApiError("'system' must be a string or a list of text blocks", "system")
+            messages = read_messages(body)
+            if system:
+                messages = [{"role": "system", "content": system}, *messages]
+            fields = {"max_tokens": body["max_tokens"], "stop": body.get("stop_sequences") or [],
+                      **{k: body[k] for k in ("temperature", "top_p", "top_k", "stream") if k in body}}
+            for name in body:
+                if name not in {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
+                                "top_k", "stream", "metadata"}:
+                    raise ApiError(f"'{name}' is not supported by this server", name)
+            settings = read_settings(fields, self.settings.params, self.settings.max_tokens, set())
+            try:
+                prompt = build_prompt(self.runtime.tokenizer, self.settings.template, messages)
+            except MlxLlamaError as e:
+                raise ApiError(str(e), "messages") from None
+            return await self._respond(prompt, settings, chat=None)
+
+        return await self._guarded(request, handle, anthropic=True)
 
     async def tokenize(self, request: HttpRequest) -> Response:
         async def handle(body: dict) -> Response:
@@ -121,8 +154,9 @@ class Api:
 
     # ---- shared ----------------------------------------------------------------------------------
 
-    async def _guarded(self, request: HttpRequest, handle, read: bool = True) -> Response:
-        """Check the API key, read the JSON body, and answer an ApiError with its status and body."""
+    async def _guarded(self, request: HttpRequest, handle, read: bool = True, anthropic: bool = False) -> Response:
+        """Check the API key, read the JSON body, and answer an ApiError with its status and body
+        (in Anthropic's shape for its API)."""
         try:
             self._authorize(request)
             if not read:
@@ -135,13 +169,16 @@ class Api:
                 raise ApiError("the body must be a JSON object")
             return await handle(body)
         except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            body = {"type": "error", "error": {"type": e.kind, "message": e.message}} if anthropic else e.body()
+            return JSONResponse(body, status_code=e.status)
 
     def _authorize(self, request: HttpRequest) -> None:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        # OpenAI's clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY".
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        given = given.strip()
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            kind="authentication_error", code="invalid_api_key")
@@ -156,25 +193,34 @@ class Api:
         except MlxLlamaError as e:
             raise ApiError(str(e), "chat_template") from None
 
-    async def _respond(self, prompt: Prompt, settings: Settings, chat: bool) -> Response:
+    async def _respond(self, prompt: Prompt, settings: Settings, chat: bool | None) -> Response:
+        """The answer to a prompt: OpenAI's chat (chat True) or text completion (False), or Anthropic's message (None)."""
+        vocab = self.runtime.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in settings.params.logit_bias):
+            raise ApiError(f"'logit_bias' names a token id outside the vocabulary of {vocab}", "logit_bias")
         try:
             check_fits(len(prompt.ids), self.runtime.config.context_length)
         except MlxLlamaError as e:
-            raise ApiError(str(e), "messages" if chat else "prompt", code="context_length_exceeded") from None
+            raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop)
-        completion = Completion(self, prompt, settings, chat)
+        completion = OpenAICompletion(self, prompt, settings, chat) if chat is not None else AnthropicMessage(
+            self, prompt, settings)
         events = completion.submit(request)
         if settings.stream:
             return StreamingResponse(completion.stream(events), media_type="text/event-stream")
         return JSONResponse(await completion.whole(events))
 
 
-class Completion:
-    """One request's answer, in OpenAI's shapes: whole, or as a stream of chunks."""
+def _integer_at_least(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
-    def __init__(self, api: Api, prompt: Prompt, settings: Settings, chat: bool):
-        self.api, self.prompt, self.settings, self.chat = api, prompt, settings, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+class Completion:
+    """One request's answer: the engine's events turned into a whole body or a stream, in the
+    shapes of one API (OpenAICompletion, AnthropicMessage)."""
+
+    def __init__(self, api: Api, prompt: Prompt, settings: Settings):
+        self.api, self.prompt, self.settings = api, prompt, settings
         self.created = int(time.time())
         self.ticket: Ticket | None = None
 
@@ -196,38 +242,77 @@ class Completion:
                 if kind == "error":
                     raise value
                 if kind == "done":
-                    return self._whole_body(value)
-        except asyncio.CancelledError:
-            self.ticket.cancel()
-            raise
-
-    async def stream(self, events: asyncio.Queue) -> AsyncIterator[str]:
-        try:
-            if self.chat:
-                yield self._event(self._chunk({"role": "assistant", "content": ""}))
-            while True:
-                kind, value = await events.get()
-                if kind == "text":
-                    yield self._event(self._chunk({"content": value} if self.chat else value))
-                elif kind == "error":
-                    yield self._event(ApiError(f"generation failed ({type(value).__name__})", status=500,
-                                               kind="server_error").body())
-                    break
-                else:
-                    yield self._event(self._chunk({} if self.chat else "", value.finish_reason,
-                                                  self._extras(value)))
-                    if self.settings.include_usage:
-                        yield self._event({**self._head(), "choices": [], "usage": self._usage(value)})
-                    break
-            yield "data: [DONE]\n\n"
+                    return self.whole_body(value)
         finally:
             self.ticket.cancel()  # a client that went away frees its row at the next step
 
-    # ---- shapes ------------------------------------------------------------------------------------
+    async def stream(self, events: asyncio.Queue) -> AsyncIterator[str]:
+        try:
+            for event in self.stream_start():
+                yield event
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    yield self.stream_text(value)
+                elif kind == "error":
+                    yield self.stream_error(value)
+                    return
+                else:
+                    for event in self.stream_end(value):
+                        yield event
+                    return
+        finally:
+            self.ticket.cancel()
+
+    def usage(self, result: GenerationResult) -> tuple[int, int]:
+        return len(self.prompt.ids), len(result.token_ids)
+
+    def prompt_extras(self, result: GenerationResult) -> dict:
+        """return_prompt's addition: what the model was fed, and the ids it answered with."""
+        if not self.settings.return_prompt:
+            return {}
+        return {"prompt": {"template": self.prompt.template, "text": self.prompt.text, "token_ids": self.prompt.ids,
+                           "completion_token_ids": result.token_ids}}
+
+    def fingerprint(self) -> str:
+        return f"mlxllama:{self.api.model_id}:{self.prompt.template}"
+
+
+class OpenAICompletion(Completion):
+    """/v1/chat/completions and /v1/completions: whole, or chunks as `data:` events ending in [DONE]."""
+
+    def __init__(self, api: Api, prompt: Prompt, settings: Settings, chat: bool):
+        super().__init__(api, prompt, settings)
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+    def whole_body(self, result: GenerationResult) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "finish_reason": result.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        return {**self._head(), "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [choice], "usage": self._usage(result), **self.prompt_extras(result)}
+
+    def stream_start(self) -> list[str]:
+        return [_data(self._chunk({"role": "assistant", "content": ""}))] if self.chat else []
+
+    def stream_text(self, piece: str) -> str:
+        return _data(self._chunk({"content": piece} if self.chat else piece))
+
+    def stream_error(self, error: BaseException) -> str:
+        return _data(ApiError(f"generation failed ({type(error).__name__})", status=500, kind="server_error").body())
+
+    def stream_end(self, result: GenerationResult) -> list[str]:
+        events = [_data(self._chunk({} if self.chat else "", result.finish_reason, self.prompt_extras(result)))]
+        if self.settings.include_usage:
+            events.append(_data({**self._head(), "choices": [], "usage": self._usage(result)}))
+        return events + ["data: [DONE]\n\n"]
 
     def _head(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.model_id, "system_fingerprint": self._fingerprint()}
+                "created": self.created, "model": self.api.model_id, "system_fingerprint": self.fingerprint()}
 
     def _chunk(self, delta: dict | str, finish_reason: str | None = None, extras: dict | None = None) -> dict:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
@@ -237,28 +322,57 @@ class Completion:
             choice.update(text=delta, logprobs=None)
         return {**self._head(), "choices": [choice], **(extras or {})}
 
-    def _whole_body(self, result: GenerationResult) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        return {**self._head(), "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [choice], "usage": self._usage(result), **self._extras(result)}
-
     def _usage(self, result: GenerationResult) -> dict:
-        prompt, completion = len(self.prompt.ids), len(result.token_ids)
+        prompt, completion = self.usage(result)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _extras(self, result: GenerationResult) -> dict:
-        if not self.settings.return_prompt:
-            return {}
-        return {"prompt": {"template": self.prompt.template, "text": self.prompt.text, "token_ids": self.prompt.ids,
-                           "completion_token_ids": result.token_ids}}
 
-    def _fingerprint(self) -> str:
-        return f"mlxllama:{self.api.model_id}:{self.prompt.template}"
+class AnthropicMessage(Completion):
+    """/v1/messages, Anthropic's Messages API: a message whole, or its named events
+    (message_start, content_block_start, content_block_delta…, content_block_stop, message_delta,
+    message_stop)."""
+
+    def __init__(self, api: Api, prompt: Prompt, settings: Settings):
+        super().__init__(api, prompt, settings)
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+
+    def whole_body(self, result: GenerationResult) -> dict:
+        return {**self._message([{"type": "text", "text": result.text}], result), **self.prompt_extras(result)}
+
+    def stream_start(self) -> list[str]:
+        return [_named("message_start", {"type": "message_start", "message": self._message([], None)}),
+                _named("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})]
+
+    def stream_text(self, piece: str) -> str:
+        return _named("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": piece}})
+
+    def stream_error(self, error: BaseException) -> str:
+        return _named("error", {"type": "error", "error": {"type": "api_error",
+                                                           "message": f"generation failed ({type(error).__name__})"}})
+
+    def stream_end(self, result: GenerationResult) -> list[str]:
+        return [_named("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                _named("message_delta", {"type": "message_delta", "delta": self._stop(result),
+                                         "usage": {"output_tokens": len(result.token_ids)}}),
+                _named("message_stop", {"type": "message_stop"})]
+
+    def _message(self, content: list, result: GenerationResult | None) -> dict:
+        stop = self._stop(result) if result else {"stop_reason": None, "stop_sequence": None}
+        prompt, completion = self.usage(result) if result else (len(self.prompt.ids), 0)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.api.model_id, "content": content,
+                **stop, "usage": {"input_tokens": prompt, "output_tokens": completion}}
 
     @staticmethod
-    def _event(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    def _stop(result: GenerationResult) -> dict:
+        reason = "max_tokens" if result.finish_reason == "length" else "stop_sequence" if result.stop else "end_turn"
+        return {"stop_reason": reason, "stop_sequence": result.stop}
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _named(event: str, payload: dict) -> str:
+    return f"event: {event}\n{_data(payload)}"

@@ -15,10 +15,11 @@ from ..sampling import InvalidSampling, SamplingParams
 # Fields a client may send that change nothing here (OpenAI's bookkeeping).
 IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier"}
 # Fields of OpenAI's API this server does not implement yet: refused rather than silently ignored.
-NOT_YET = {"logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "tools", "tool_choice",
-           "response_format", "echo", "suffix", "best_of", "functions", "function_call"}
+NOT_YET = {"logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "echo", "suffix", "best_of",
+           "functions", "function_call"}
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}
+                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 
 
 class ApiError(Exception):
@@ -51,7 +52,7 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
         if name in NOT_YET:
             raise ApiError(f"'{name}' is not supported by this server yet", name)
         if name not in known | IGNORED | set(SAMPLING_FIELDS) | {
-                "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template",
+                "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template", "logit_bias",
                 "chat_template_kwargs", "return_prompt"}:
             raise ApiError(f"unknown field '{name}'", name)
     if body.get("n", 1) != 1:
@@ -67,6 +68,8 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
             if value is not None and not (_integer(value) or isinstance(value, float) and math.isfinite(value)):
                 raise ApiError(f"'{name}' must be a number", name)
             overrides[setting] = value
+    if "logit_bias" in body:
+        overrides["logit_bias"] = read_logit_bias(body["logit_bias"])
     try:
         params = defaults.with_overrides(**overrides)
     except InvalidSampling as e:
@@ -93,6 +96,18 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
         raise ApiError("'return_prompt' must be true or false", "return_prompt")
     return Settings(max_tokens, params, tuple(stop), stream, bool(options.get("include_usage")), template, kwargs,
                     return_prompt)
+
+
+def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError("'logit_bias' must be an object of token ids to numbers", "logit_bias")
+    try:
+        return tuple((int(token), float(bias)) for token, bias in value.items())
+    except (TypeError, ValueError):
+        raise ApiError("'logit_bias' must map token ids to numbers", "logit_bias") from None
 
 
 def read_messages(body: dict) -> list[dict[str, Any]]:

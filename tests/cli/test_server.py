@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -182,3 +183,79 @@ def test_a_host_other_machines_reach_needs_a_key():
     assert result.returncode == 2
     assert result.stderr == ("mlxllama: error: --host 0.0.0.0 is reachable from other machines:"
                              " give --api-key KEY too\n")
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_anthropic_messages_through_the_anthropic_client(claude):
+    message = claude.messages.create(model="chat-tiny", max_tokens=32, messages=JAPAN)
+    assert [(block.type, block.text) for block in message.content] == [("text", "The capital of Japan is Tokyo.")]
+    assert (message.role, message.stop_reason, message.stop_sequence) == ("assistant", "end_turn", None)
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (24, 8)
+    cut = claude.messages.create(model="chat-tiny", max_tokens=3, messages=JAPAN)
+    assert cut.stop_reason == "max_tokens"
+    stopped = claude.messages.create(model="chat-tiny", max_tokens=32, messages=JAPAN, stop_sequences=[" is"])
+    assert (stopped.content[0].text, stopped.stop_reason, stopped.stop_sequence) == (
+        "The capital of Japan", "stop_sequence", " is")
+
+
+def test_anthropic_stream_has_its_event_types_in_order(claude):
+    with claude.messages.stream(model="chat-tiny", max_tokens=32, messages=JAPAN) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds and "message_delta" in kinds
+    assert final.content[0].text == "The capital of Japan is Tokyo." and final.stop_reason == "end_turn"
+
+
+def test_anthropic_errors_in_its_shape(server, claude):
+    response = httpx.post(f"{server.url}/v1/messages", json={"messages": JAPAN})
+    assert response.status_code == 400 and response.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "'max_tokens' is required: a positive integer"}}
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="chat-tiny", max_tokens=8, messages=JAPAN, extra_body={"temperature": -1})
+
+
+def test_logit_bias_and_penalties_are_those_of_generate(client, runtime):
+    (rome,) = runtime.tokenize("Rome", add_bos=False)  # "▁Rome", with the SentencePiece space prefix
+    response = client.completions.create(model="m", prompt="The capital of Italy is", max_tokens=3,
+                                         logit_bias={str(rome): -100}, frequency_penalty=1.5, presence_penalty=0.5)
+    alone = runtime.generate("The capital of Italy is", 3, logit_bias=((rome, -100.0),), frequency_penalty=1.5,
+                             presence_penalty=0.5)
+    assert response.choices[0].text == alone.text and not alone.text.startswith(" Rome")
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="m", prompt="x", logit_bias={"99999": 1})
+
+
+def test_a_burst_of_32_streaming_clients_is_answered_in_full_and_frees_its_memory(server, runtime):
+    """32 clients at once, 4 streamed requests each: every request answered with its single-request
+    text, and MLX's memory in the server back to its level before the burst."""
+    questions = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is 3 plus 4?",
+                 "What is the capital of France?", "Hello!", "What is the opposite of cold?", "What is 9 plus 9?"]
+    expected = {}
+    for question in questions:
+        prompt = runtime.apply_chat_template([{"role": "user", "content": question}])
+        expected[question] = runtime.generate(runtime.tokenize(prompt, special=True), 20).text
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def one_client(number: int, requests: int = 4) -> list[tuple[str, str]]:
+        answers = []
+        for i in range(requests):
+            question = questions[(number + i) % len(questions)]
+            stream = client.chat.completions.create(model="m", max_tokens=20, stream=True,
+                                                    messages=[{"role": "user", "content": question}])
+            answers.append((question, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)))
+        return answers
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        # A first, smaller burst: what a first full batch allocates once (compiled shapes) is not a leak.
+        list(pool.map(lambda n: one_client(n, 1), range(16)))
+        baseline = httpx.get(f"{server.url}/health").json()["active_memory_bytes"]
+        results = [answer for answers in pool.map(one_client, range(32)) for answer in answers]
+    assert len(results) == 128
+    assert [text for _, text in results] == [expected[question] for question, _ in results]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["requests_running"] == 0 and health["active_memory_bytes"] <= baseline

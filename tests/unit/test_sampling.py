@@ -46,3 +46,34 @@ def test_the_python_api_checks_sampling_keywords_before_generating():
     # Keywords and a SamplingParams give the same seeded result.
     assert (runtime.generate("The capital of Italy is", 6, params).token_ids
             == runtime.generate("The capital of Italy is", 6, temperature=0.7, seed=3).token_ids)
+
+
+def test_presence_and_frequency_penalties_follow_openais_rule():
+    """logit - frequency x count - presence x (count > 0), counted over the tokens this sampler picked."""
+    import mlx.core as mx
+
+    from mlxllama.sampling import make_sampler
+
+    logits = mx.array([1.0, 0.9, 0.75, 0.0])
+    picks = []
+    sample = make_sampler(SamplingParams(frequency_penalty=0.2))
+    for _ in range(4):
+        picks.append(int(sample(logits, [])))
+    # 1.0 -> 0.8 after one pick (0.9 wins), 0.9 -> 0.7 (0.8 wins), 0.8 -> 0.6 (0.75 wins), 0.7 wins.
+    assert picks == [0, 1, 0, 2]
+    sample = make_sampler(SamplingParams(presence_penalty=0.3))
+    assert [int(sample(logits, [])) for _ in range(3)] == [0, 1, 2]
+
+
+def test_logit_bias_moves_the_named_tokens():
+    import mlx.core as mx
+
+    from mlxllama.sampling import make_sampler
+
+    logits = mx.array([1.0, 0.9, 0.0])
+    assert int(make_sampler(SamplingParams(logit_bias=((0, -100.0),)))(logits, [])) == 1
+    assert int(make_sampler(SamplingParams(logit_bias=((2, 5.0),)))(logits, [])) == 2
+    with pytest.raises(MlxLlamaError, match="logit bias: token id 7 is not in the vocabulary of 3"):
+        make_sampler(SamplingParams(logit_bias=((7, 1.0),)))(logits, [])
+    with pytest.raises(MlxLlamaError, match="'logit_bias' must be"):
+        SamplingParams(logit_bias=((0, 500.0),))
