@@ -40,6 +40,31 @@ class Request:
     max_tokens: int = 256
     params: SamplingParams = SamplingParams()
     stop: Sequence[str] = ()
+    # Log-probabilities of each generated token under the model, and of this many likeliest
+    # alternatives (None: none); prompt_logprobs scores the prompt's tokens too (one forward pass).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its logits), with the likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """For logits [n, vocab] and the token that followed each row, its log-probability and the top alternatives."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(list(tokens), mx.uint32)[:, None], axis=-1)[:, 0].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    best = mx.argsort(-logprobs, axis=-1)[:, :top]
+    best_lp = mx.take_along_axis(logprobs, best, axis=-1)
+    return [TokenLogprob(t, lp, tuple(zip(ids, lps))) for t, lp, ids, lps in
+            zip(tokens, chosen, best.tolist(), best_lp.tolist())]
 
 
 class Row:
@@ -52,14 +77,19 @@ class Row:
         self.ids: list[int] = []
         self.collector = TextCollector(tokenizer, request.stop)
         self.new_text = ""  # text made final since a caller last took it (take_text)
+        self.logprobs: list[TokenLogprob] = []  # of the generated tokens, when the request asks
+        self.prompt_logprobs: list[TokenLogprob] = []
         # Like generate_tokens: never run past the model's context.
         self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
         self.finished = self.max_tokens <= 0
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
 
-    def accept(self, token_id: int) -> bool:
-        """Record the next generated id; True once the row is finished."""
+    def accept(self, token_id: int, logits: mx.array | None = None) -> bool:
+        """Record the next generated id (and its log-probability, from the logits it was sampled
+        from, when the request asks); True once the row is finished."""
+        if logits is not None and self.request.logprobs is not None:
+            self.logprobs += token_logprobs(logits.reshape(1, -1), [token_id], self.request.logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.ids.append(token_id)
@@ -72,10 +102,19 @@ class Row:
         text, self.new_text = self.new_text, ""
         return text
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The generated tokens' log-probabilities not taken before."""
+        taken = getattr(self, "_logprobs_taken", 0)
+        self._logprobs_taken = len(self.logprobs)
+        return self.logprobs[taken:]
+
     def result(self) -> GenerationResult:
-        self.new_text += self.collector.close()
-        return GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids), self.start,
-                                   self.first_token_time)
+        """The finished row's result (its text closed: what was held back for stop strings is final)."""
+        if getattr(self, "_result", None) is None:
+            self.new_text += self.collector.close()
+            self._result = GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids),
+                                               self.start, self.first_token_time)
+        return self._result
 
 
 class BatchDecoder:
@@ -98,11 +137,15 @@ class BatchDecoder:
         that already finished it (row.finished)."""
         check_fits(len(request.ids), self.model.config.context_length)
         row = Row(index, request, self.tokenizer, self.model.config.context_length)
+        if request.prompt_logprobs:
+            logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
+            row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
         if row.finished:
             return row
         single = self.model.make_cache()
-        first = row.sampler(prefill(self.model, request.ids, single), row.context)
-        if not row.accept(first.item()):
+        last = prefill(self.model, request.ids, single)
+        first = row.sampler(last, row.context)
+        if not row.accept(first.item(), last):
             for layer, row_layer in zip(self.cache, single):
                 layer.add(row_layer)
             self.rows.append(row)
@@ -114,7 +157,7 @@ class BatchDecoder:
             return []
         logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
         tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(self.rows)]).tolist()
-        done = [row.accept(token) for row, token in zip(self.rows, tokens)]
+        done = [row.accept(token, logits[i]) for i, (row, token) in enumerate(zip(self.rows, tokens))]
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished:
             self.drop(finished)

@@ -24,7 +24,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batching import Request
+from ..batching import Request, Row, TokenLogprob
 from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
@@ -59,6 +59,7 @@ class Api:
     def __init__(self, runtime, engine: Engine, settings: ServerSettings):
         self.runtime, self.engine, self.settings = runtime, engine, settings
         self.model_id = os.path.basename(runtime.path)
+        self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
     # ---- the routes ----------------------------------------------------------------------------
@@ -154,6 +155,14 @@ class Api:
 
     # ---- shared ----------------------------------------------------------------------------------
 
+    def token_text(self, token: int) -> str:
+        """A token as text in log-probability listings: what it decodes to, or its name for a control token."""
+        if token not in self._token_texts:
+            tokenizer = self.runtime.tokenizer
+            raw = tokenizer.token_bytes(token)
+            self._token_texts[token] = raw.decode("utf-8", errors="replace") if raw else tokenizer.id_to_piece(token)
+        return self._token_texts[token]
+
     async def _guarded(self, request: HttpRequest, handle, read: bool = True, anthropic: bool = False) -> Response:
         """Check the API key, read the JSON body, and answer an ApiError with its status and body
         (in Anthropic's shape for its API)."""
@@ -202,7 +211,8 @@ class Api:
             check_fits(len(prompt.ids), self.runtime.config.context_length)
         except MlxLlamaError as e:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
-        request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop)
+        request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,
+                          prompt_logprobs=settings.echo and settings.logprobs is not None)
         completion = OpenAICompletion(self, prompt, settings, chat) if chat is not None else AnthropicMessage(
             self, prompt, settings)
         events = completion.submit(request)
@@ -226,7 +236,7 @@ class Completion:
 
     def submit(self, request: Request) -> asyncio.Queue:
         """Hand the request to the engine; its events arrive on the returned queue:
-        ("text", piece), then ("done", result) or ("error", exception)."""
+        ("text", (piece, log-probabilities)), then ("done", row) or ("error", exception)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(kind: str):
@@ -242,7 +252,7 @@ class Completion:
                 if kind == "error":
                     raise value
                 if kind == "done":
-                    return self.whole_body(value)
+                    return self.whole_body(value.result(), value)
         finally:
             self.ticket.cancel()  # a client that went away frees its row at the next step
 
@@ -253,12 +263,12 @@ class Completion:
             while True:
                 kind, value = await events.get()
                 if kind == "text":
-                    yield self.stream_text(value)
+                    yield self.stream_text(*value)
                 elif kind == "error":
                     yield self.stream_error(value)
                     return
                 else:
-                    for event in self.stream_end(value):
+                    for event in self.stream_end(value.result(), value):
                         yield event
                     return
         finally:
@@ -286,25 +296,29 @@ class OpenAICompletion(Completion):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    def whole_body(self, result: GenerationResult) -> dict:
+    def whole_body(self, result: GenerationResult, row: Row) -> dict:
+        logprobs = self._logprobs(row.logprobs, row.prompt_logprobs)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
+                      "finish_reason": result.finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+            text = (self.prompt.text if self.settings.echo else "") + result.text
+            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs}
         return {**self._head(), "object": "chat.completion" if self.chat else "text_completion",
                 "choices": [choice], "usage": self._usage(result), **self.prompt_extras(result)}
 
     def stream_start(self) -> list[str]:
-        return [_data(self._chunk({"role": "assistant", "content": ""}))] if self.chat else []
+        if self.chat:
+            return [_data(self._chunk({"role": "assistant", "content": ""}))]
+        return [_data(self._chunk(self.prompt.text))] if self.settings.echo else []
 
-    def stream_text(self, piece: str) -> str:
-        return _data(self._chunk({"content": piece} if self.chat else piece))
+    def stream_text(self, piece: str, logprobs: list) -> str:
+        return _data(self._chunk({"content": piece} if self.chat else piece, logprobs=self._logprobs(logprobs, [])))
 
     def stream_error(self, error: BaseException) -> str:
         return _data(ApiError(f"generation failed ({type(error).__name__})", status=500, kind="server_error").body())
 
-    def stream_end(self, result: GenerationResult) -> list[str]:
+    def stream_end(self, result: GenerationResult, row: Row) -> list[str]:
         events = [_data(self._chunk({} if self.chat else "", result.finish_reason, self.prompt_extras(result)))]
         if self.settings.include_usage:
             events.append(_data({**self._head(), "choices": [], "usage": self._usage(result)}))
@@ -314,13 +328,43 @@ class OpenAICompletion(Completion):
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.api.model_id, "system_fingerprint": self.fingerprint()}
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None = None, extras: dict | None = None) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    def _chunk(self, delta: dict | str, finish_reason: str | None = None, extras: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = delta
         else:
-            choice.update(text=delta, logprobs=None)
+            choice["text"] = delta
         return {**self._head(), "choices": [choice], **(extras or {})}
+
+    def _logprobs(self, generated: list[TokenLogprob], prompt: list[TokenLogprob]) -> dict | None:
+        """OpenAI's logprobs object: chat's {"content": [...]}, or completions' parallel lists (the
+        prompt's tokens first with echo, the first one without a log-probability)."""
+        if self.settings.logprobs is None:
+            return None
+        text = self.api.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                piece = text(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                                for t in generated]}
+        scored: list[tuple[int, float | None, dict | None]] = []
+        decode = self.api.runtime.tokenizer.decode
+        offsets: list[int] = []
+        if self.settings.echo:
+            scored.append((self.prompt.ids[0], None, None))
+            scored += [(t.token, t.logprob, {text(i): lp for i, lp in t.top}) for t in prompt]
+            offsets = [len(decode(self.prompt.ids[:k])) for k in range(len(self.prompt.ids))]
+        # Where each token's text starts in the response's text, as the decoded prefix before it.
+        before = self.prompt.text if self.settings.echo else ""
+        offsets += [len(before) + len(decode([t.token for t in generated[:k]]))
+                    for k in range(len(generated))]
+        scored += [(t.token, t.logprob, {text(i): lp for i, lp in t.top}) for t in generated]
+        return {"tokens": [text(t) for t, _, _ in scored], "token_logprobs": [lp for _, lp, _ in scored],
+                "top_logprobs": [top if self.settings.logprobs else None for _, _, top in scored],
+                "text_offset": offsets}
 
     def _usage(self, result: GenerationResult) -> dict:
         prompt, completion = self.usage(result)
@@ -336,7 +380,7 @@ class AnthropicMessage(Completion):
         super().__init__(api, prompt, settings)
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
-    def whole_body(self, result: GenerationResult) -> dict:
+    def whole_body(self, result: GenerationResult, row: Row) -> dict:
         return {**self._message([{"type": "text", "text": result.text}], result), **self.prompt_extras(result)}
 
     def stream_start(self) -> list[str]:
@@ -344,7 +388,7 @@ class AnthropicMessage(Completion):
                 _named("content_block_start", {"type": "content_block_start", "index": 0,
                                                "content_block": {"type": "text", "text": ""}})]
 
-    def stream_text(self, piece: str) -> str:
+    def stream_text(self, piece: str, logprobs: list) -> str:
         return _named("content_block_delta", {"type": "content_block_delta", "index": 0,
                                               "delta": {"type": "text_delta", "text": piece}})
 
@@ -352,7 +396,7 @@ class AnthropicMessage(Completion):
         return _named("error", {"type": "error", "error": {"type": "api_error",
                                                            "message": f"generation failed ({type(error).__name__})"}})
 
-    def stream_end(self, result: GenerationResult) -> list[str]:
+    def stream_end(self, result: GenerationResult, row: Row) -> list[str]:
         return [_named("content_block_stop", {"type": "content_block_stop", "index": 0}),
                 _named("message_delta", {"type": "message_delta", "delta": self._stop(result),
                                          "usage": {"output_tokens": len(result.token_ids)}}),

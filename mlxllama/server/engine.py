@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batching import BatchDecoder, Request, Row
-from ..generate import GenerationResult
 
 
 @dataclass
 class Ticket:
-    """One request in the engine: `on_text(piece)` for each piece of text, then `on_done(result)`
-    or `on_error(exception)`, all called from the engine's thread."""
+    """One request in the engine: `on_text((piece, logprobs))` as text becomes final (with the
+    log-probabilities of the tokens since, when asked for), then `on_done(row)` or
+    `on_error(exception)`, all called from the engine's thread."""
 
     request: Request
-    on_text: Callable[[str], None]
-    on_done: Callable[[GenerationResult], None]
+    on_text: Callable[[tuple[str, list]], None]
+    on_done: Callable[[Row], None]
     on_error: Callable[[BaseException], None]
     cancelled: bool = False
     row: Row | None = field(default=None, repr=False)
@@ -69,8 +69,7 @@ class Engine:
                 self.tickets = []
                 continue
             for ticket in self.tickets:
-                if text := ticket.row.take_text():
-                    ticket.on_text(text)
+                self._hand_on(ticket)
             for ticket in [t for t in self.tickets if t.row in finished]:
                 self._finish(ticket)
 
@@ -90,8 +89,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to that request alone
                 ticket.on_error(e)
                 continue
-            if text := ticket.row.take_text():
-                ticket.on_text(text)
+            self._hand_on(ticket)
             self.tickets.append(ticket)
             if ticket.row.finished:
                 self._finish(ticket)
@@ -99,10 +97,15 @@ class Engine:
 
     def _finish(self, ticket: Ticket) -> None:
         self.tickets.remove(ticket)
-        result = ticket.row.result()
-        if text := ticket.row.take_text():
-            ticket.on_text(text)
-        ticket.on_done(result)
+        ticket.row.result()  # closes the text: what was held back for stop strings is final now
+        self._hand_on(ticket)
+        ticket.on_done(ticket.row)
+
+    @staticmethod
+    def _hand_on(ticket: Ticket) -> None:
+        text, logprobs = ticket.row.take_text(), ticket.row.take_logprobs()
+        if text or logprobs:
+            ticket.on_text((text, logprobs))
 
     def _drop_cancelled(self) -> None:
         gone = [t for t in self.tickets if t.cancelled]

@@ -15,8 +15,7 @@ from ..sampling import InvalidSampling, SamplingParams
 # Fields a client may send that change nothing here (OpenAI's bookkeeping).
 IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier"}
 # Fields of OpenAI's API this server does not implement yet: refused rather than silently ignored.
-NOT_YET = {"logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "echo", "suffix", "best_of",
-           "functions", "function_call"}
+NOT_YET = {"tools", "tool_choice", "response_format", "suffix", "best_of", "functions", "function_call"}
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
@@ -44,6 +43,8 @@ class Settings:
     template: str | None  # chat_template: a built-in name, "none", or None for the server's
     template_kwargs: dict
     return_prompt: bool
+    logprobs: int | None = None  # log-probabilities of the generated tokens, with this many alternatives
+    echo: bool = False  # /v1/completions: the prompt back in the text, and its tokens' log-probabilities
 
 
 def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int, known: set[str]) -> Settings:
@@ -51,7 +52,7 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
     for name in body:
         if name in NOT_YET:
             raise ApiError(f"'{name}' is not supported by this server yet", name)
-        if name not in known | IGNORED | set(SAMPLING_FIELDS) | {
+        if name not in known | IGNORED | set(SAMPLING_FIELDS) | {"logprobs", "top_logprobs", "echo"} | {
                 "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template", "logit_bias",
                 "chat_template_kwargs", "return_prompt"}:
             raise ApiError(f"unknown field '{name}'", name)
@@ -95,7 +96,27 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
     if not isinstance(return_prompt, bool):
         raise ApiError("'return_prompt' must be true or false", "return_prompt")
     return Settings(max_tokens, params, tuple(stop), stream, bool(options.get("include_usage")), template, kwargs,
-                    return_prompt)
+                    return_prompt, *read_logprobs(body, chat="messages" in known))
+
+
+def read_logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(alternatives a token's log-probability comes with, or None for no log-probabilities; echo),
+    from chat's `logprobs: true` + `top_logprobs: k` or completions' `logprobs: k` + `echo`."""
+    logprobs, echo = body.get("logprobs"), body.get("echo", False)
+    if chat:
+        top = body.get("top_logprobs")
+        if logprobs not in (None, True, False):
+            raise ApiError("'logprobs' must be true or false", "logprobs")
+        if top is not None and (not _integer(top) or not 0 <= top <= 20 or not logprobs):
+            raise ApiError("'top_logprobs' must be an integer from 0 to 20, with 'logprobs': true", "top_logprobs")
+        if "echo" in body:
+            raise ApiError("'echo' is a field of /v1/completions", "echo")
+        return (top or 0) if logprobs else None, False
+    if "echo" in body and not isinstance(echo, bool):
+        raise ApiError("'echo' must be true or false", "echo")
+    if logprobs is not None and (not _integer(logprobs) or not 0 <= logprobs <= 5):
+        raise ApiError("'logprobs' must be an integer from 0 to 5", "logprobs")
+    return logprobs, echo
 
 
 def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -141,7 +141,8 @@ def test_a_client_that_goes_away_frees_its_row(server):
     (json.dumps({"messages": JAPAN, "temperature": "hot"}), "temperature", "'temperature' must be a number"),
     (json.dumps({"messages": JAPAN, "top_p": 0}), "top_p", "'top_p' must be a number in (0, 1]"),
     (json.dumps({"messages": JAPAN, "chat_template": "nope"}), "chat_template", "unknown chat template"),
-    (json.dumps({"messages": JAPAN, "logprobs": True}), "logprobs", "not supported by this server yet"),
+    (json.dumps({"messages": JAPAN, "tools": []}), "tools", "not supported by this server yet"),
+    (json.dumps({"messages": JAPAN, "top_logprobs": 3}), "top_logprobs", "with 'logprobs': true"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}), "messages", "more than the model's context"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, param, fragment):
@@ -259,3 +260,41 @@ def test_a_burst_of_32_streaming_clients_is_answered_in_full_and_frees_its_memor
     assert [text for _, text in results] == [expected[question] for question, _ in results]
     health = httpx.get(f"{server.url}/health").json()
     assert health["requests_running"] == 0 and health["active_memory_bytes"] <= baseline
+
+
+def log_softmax(logits):
+    import numpy as np
+
+    logits = np.asarray(logits, np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+
+
+def test_chat_logprobs_are_the_models_log_softmax(client, runtime):
+    response = client.chat.completions.create(model="m", messages=JAPAN, logprobs=True, top_logprobs=3)
+    entries = response.choices[0].logprobs.content
+    generated = runtime.generate(JAPAN_IDS, 32).token_ids
+    assert len(entries) == response.usage.completion_tokens == len(generated)
+    exact = log_softmax(runtime.logits(JAPAN_IDS + generated[:-1]))[len(JAPAN_IDS) - 1:]
+    for entry, token, row in zip(entries, generated, exact):
+        assert abs(entry.logprob - row[token]) < 1e-4
+        assert [alt.logprob for alt in entry.top_logprobs] == sorted((alt.logprob for alt in entry.top_logprobs),
+                                                                      reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest token was taken
+    assert "".join(entry.token for entry in entries) == "The capital of Japan is Tokyo.</s>"
+
+
+def test_completions_echo_scores_a_text_without_generating(client, runtime):
+    """As evaluation harnesses ask for log-likelihoods: echo, logprobs and max_tokens 0."""
+    text = "The capital of Italy is Rome."
+    response = client.completions.create(model="m", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    choice = response.choices[0]
+    ids = runtime.tokenize(text)
+    exact = log_softmax(runtime.logits(ids))
+    assert choice.text == text and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
+    for position, (logprob, token) in enumerate(zip(choice.logprobs.token_logprobs[1:], ids[1:])):
+        assert abs(logprob - exact[position, token]) < 1e-4
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+    # Offsets into the returned text: BOS and the space SentencePiece puts before "The" take none of it.
+    assert choice.logprobs.text_offset[:4] == [0, 0, len("The"), len("The capital")]
