@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .errors import MlxLlamaError
-from .generate import GenerationResult, TextCollector, check_fits, prefill
+from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
@@ -117,39 +117,65 @@ class Row:
         return self._result
 
 
+@dataclass
+class Joining:
+    """A row whose prompt is being prefilled, a chunk at a time, into a cache of its own."""
+
+    row: Row
+    cache: list
+    fed: int = 0
+
+
 class BatchDecoder:
     """Rows that join and leave between decode steps (continuous batching): one forward pass a
-    step for every row, each at its own position. The engine of generate_batch and of the server."""
+    step for every row, each at its own position. The engine of generate_batch and of the server.
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8):
+    A request joins in two moves: admit() queues it, and prefill_chunk() feeds its prompt one
+    chunk at a time (chunks of PREFILL_CHUNK, as generate's prefill), so a caller that runs a
+    decode step between chunks never stalls the running rows for more than one chunk.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
         self.cache = model.make_batch_cache()
         self.rows: list[Row] = []
+        self.joining: deque[Joining] = deque()
 
     @property
     def room(self) -> int:
-        return self.batch_size - len(self.rows)
+        return self.batch_size - len(self.rows) - len(self.joining)
 
     def admit(self, index, request: Request) -> Row:
-        """Prefill a request on its own and sample its first token; the row joins the batch unless
-        that already finished it (row.finished)."""
+        """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
         check_fits(len(request.ids), self.model.config.context_length)
         row = Row(index, request, self.tokenizer, self.model.config.context_length)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
-        if row.finished:
-            return row
-        single = self.model.make_cache()
-        last = prefill(self.model, request.ids, single)
-        first = row.sampler(last, row.context)
-        if not row.accept(first.item(), last):
-            for layer, row_layer in zip(self.cache, single):
-                layer.add(row_layer)
-            self.rows.append(row)
+        if not row.finished:
+            self.joining.append(Joining(row, self.model.make_cache()))
         return row
+
+    def prefill_chunk(self) -> Row | None:
+        """Feed the next chunk of the first joining prompt. Once the whole prompt is in, its first
+        token is sampled and the row joins the batch, or, if that token finished it, is returned."""
+        joining = self.joining[0]
+        ids = joining.row.request.ids
+        hidden = self.model.hidden_states(mx.array([ids[joining.fed : joining.fed + self.chunk]]), joining.cache)
+        joining.fed += self.chunk
+        if joining.fed < len(ids):
+            mx.eval([c.state for c in joining.cache])
+            return None
+        self.joining.popleft()
+        row, last = joining.row, self.model.head(hidden[:, -1:])[0, -1]
+        if row.accept(row.sampler(last, row.context).item(), last):
+            return row
+        for layer, row_layer in zip(self.cache, joining.cache):
+            layer.add(row_layer)
+        self.rows.append(row)
+        return None
 
     def step(self) -> list[Row]:
         """One decode step of every row; the rows it finished, which have left the batch."""
@@ -164,8 +190,10 @@ class BatchDecoder:
         return finished
 
     def drop(self, rows: Sequence[Row]) -> None:
-        """Take rows out of the batch (finished, or their caller went away), freeing their cache."""
+        """Take rows out of the batch or the queue to join (finished, or their caller went away),
+        freeing their cache."""
         gone = {id(row) for row in rows}
+        self.joining = deque(j for j in self.joining if id(j.row) not in gone)
         keep = [i for i, row in enumerate(self.rows) if id(row) not in gone]
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
@@ -189,6 +217,9 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
         while waiting and decoder.room:
             row = decoder.admit(*waiting.popleft())
             if row.finished:
+                finished.append(row)
+        while decoder.joining:  # all the way in before the step: there is no stream to keep moving here
+            if (row := decoder.prefill_chunk()) is not None:
                 finished.append(row)
         finished += decoder.step()
         yield [(row.index, row.result()) for row in finished]

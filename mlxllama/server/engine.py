@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..batching import BatchDecoder, Request, Row
+from ..generate import PREFILL_CHUNK
 
 
 @dataclass
@@ -35,8 +36,8 @@ class Ticket:
 
 
 class Engine:
-    def __init__(self, runtime, max_batch: int = 16):
-        self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch)
+    def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK):
+        self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk)
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()
         self.tickets: list[Ticket] = []
         self.thread = threading.Thread(target=self._run, name="mlxllama-engine", daemon=True)
@@ -61,7 +62,10 @@ class Engine:
                 return
             self._drop_cancelled()
             try:
-                finished = self.decoder.step()
+                # One chunk of a joining prompt, then one step of the running rows: a newcomer's
+                # prefill holds the running streams up by one chunk at most.
+                joined = self.decoder.prefill_chunk() if self.decoder.joining else None
+                finished = ([joined] if joined else []) + self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 for ticket in self.tickets:
                     ticket.on_error(e)

@@ -259,7 +259,9 @@ def test_a_burst_of_32_streaming_clients_is_answered_in_full_and_frees_its_memor
     assert len(results) == 128
     assert [text for _, text in results] == [expected[question] for question, _ in results]
     health = httpx.get(f"{server.url}/health").json()
-    assert health["requests_running"] == 0 and health["active_memory_bytes"] <= baseline
+    # One finished row's KV cache here is 786 KB (6 layers of 2 x [2, 256, 32] float32), so a
+    # leaked row or slot would exceed this margin; a few bytes of bookkeeping may differ.
+    assert health["requests_running"] == 0 and health["active_memory_bytes"] <= baseline + 64 * 1024
 
 
 def log_softmax(logits):
