@@ -407,12 +407,18 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
               help="Require 'Authorization: Bearer KEY' on every request (or $MLXLLAMA_API_KEY).")
 @click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1),
               help="Most requests decoded together; more wait for a free row.")
+@click.option("--kv-budget-mb", type=click.IntRange(1), default=None, metavar="MB",
+              help="KV cache memory the running requests may hold; more wait (default: half the GPU's memory,"
+                   " or a quarter of the machine's).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for room; past that, HTTP 503 with Retry-After.")
 @click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Prompt tokens a newcomer's prefill feeds between two decode steps of the running requests.")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @sampling_options
-def serve_command(model_path, host, port, api_key, max_batch, prefill_chunk, template_name, template_file, **sampling):
+def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prefill_chunk, template_name,
+                  template_file, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -436,7 +442,8 @@ def serve_command(model_path, host, port, api_key, max_batch, prefill_chunk, tem
     runtime = load_model(model_path)
     settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
                               sampling["max_tokens"], api_key or None)
-    serve(runtime, settings, host, port, max_batch, prefill_chunk,
+    serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
+          max_queue,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
                                           f" (template {settings.template.label}); Ctrl-C stops", err=True))
 

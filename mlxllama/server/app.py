@@ -29,7 +29,7 @@ from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
 from ..sampling import SamplingParams
-from .engine import Engine, Ticket
+from .engine import Engine, Overloaded, Ticket, TooLarge
 from .protocol import ApiError, Settings, read_messages, read_prompt, read_settings
 
 
@@ -179,7 +179,7 @@ class Api:
             return await handle(body)
         except ApiError as e:
             body = {"type": "error", "error": {"type": e.kind, "message": e.message}} if anthropic else e.body()
-            return JSONResponse(body, status_code=e.status)
+            return JSONResponse(body, status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
 
     def _authorize(self, request: HttpRequest) -> None:
         key = self.settings.api_key
@@ -215,7 +215,13 @@ class Api:
                           prompt_logprobs=settings.echo and settings.logprobs is not None)
         completion = OpenAICompletion(self, prompt, settings, chat) if chat is not None else AnthropicMessage(
             self, prompt, settings)
-        events = completion.submit(request)
+        try:
+            events = completion.submit(request)
+        except TooLarge as e:
+            raise ApiError(str(e), "max_tokens") from None
+        except Overloaded as e:
+            raise ApiError(f"the server is busy: {e}; retry in a second", status=503, kind="server_overloaded",
+                           code="overloaded") from None
         if settings.stream:
             return StreamingResponse(completion.stream(events), media_type="text/event-stream")
         return JSONResponse(await completion.whole(events))

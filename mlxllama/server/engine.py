@@ -8,12 +8,17 @@ loop).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import mlx.core as mx
+
 from ..batching import BatchDecoder, Request, Row
+from ..cache import GROWTH_STEP
 from ..generate import PREFILL_CHUNK
 
 
@@ -35,10 +40,33 @@ class Ticket:
         self.cancelled = True
 
 
+class Overloaded(Exception):
+    """The queue of waiting requests is full: the caller should answer 503 and say when to retry."""
+
+
+class TooLarge(Exception):
+    """A request whose KV cache alone would exceed the memory budget: it could never run."""
+
+
 class Engine:
-    def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK):
+    """Every request through one BatchDecoder, within a memory budget for the KV cache.
+
+    The batch's cache holds every row at the longest row's capacity, so a request is admitted only
+    while (rows + 1) x the longest need stays within `kv_budget` bytes (a need: prompt plus
+    max_tokens, in the cache's growth steps); the others wait, at most `max_queue` of them, and past
+    that submit() raises Overloaded.
+    """
+
+    def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
+                 kv_budget: int | None = None, max_queue: int = 64):
         self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk)
+        c = runtime.config
+        self.context_length = c.context_length
+        self.slot_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * runtime.model.compute_dtype.size
+        self.kv_budget = kv_budget if kv_budget is not None else default_kv_budget()
+        self.max_queue = max_queue
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()
+        self.waiting: deque[Ticket] = deque()
         self.tickets: list[Ticket] = []
         self.thread = threading.Thread(target=self._run, name="mlxllama-engine", daemon=True)
         self.thread.start()
@@ -48,7 +76,19 @@ class Engine:
         """Requests in the batch now."""
         return len(self.tickets)
 
+    def kv_bytes(self, rows: int, slots: int) -> int:
+        """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows)."""
+        return rows * -(-min(slots, self.context_length) // GROWTH_STEP) * GROWTH_STEP * self.slot_bytes
+
+    def need(self, request: Request) -> int:
+        return len(request.ids) + request.max_tokens
+
     def submit(self, ticket: Ticket) -> Ticket:
+        if self.kv_bytes(1, self.need(ticket.request)) > self.kv_budget:
+            raise TooLarge(f"the request's KV cache ({self.kv_bytes(1, self.need(ticket.request)) >> 20} MiB) would"
+                           f" exceed the server's budget of {self.kv_budget >> 20} MiB; ask for fewer max_tokens")
+        if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
+            raise Overloaded(f"{self.max_queue} requests are already waiting")
         self.inbox.put(ticket)
         return ticket
 
@@ -78,16 +118,25 @@ class Engine:
                 self._finish(ticket)
 
     def _admit(self) -> bool:
-        """Take waiting requests while there is room, waiting for one when nothing runs; False to stop."""
-        while self.decoder.room:
+        """Move new requests to the waiting line (waiting for one when nothing runs), then admit
+        from its front while the batch has room and the budget allows; False to stop."""
+        while True:
             try:
-                ticket = self.inbox.get(block=not self.tickets)
+                ticket = self.inbox.get(block=not self.tickets and not self.waiting)
             except queue.Empty:
-                return True
+                break
             if ticket is None:
                 return False
+            self.waiting.append(ticket)
+        while self.waiting and self.decoder.room:
+            ticket = self.waiting[0]
             if ticket.cancelled:
+                self.waiting.popleft()
                 continue
+            longest = max([self.need(t.request) for t in self.tickets] + [self.need(ticket.request)])
+            if self.tickets and self.kv_bytes(len(self.tickets) + 1, longest) > self.kv_budget:
+                break  # it waits for rows to finish
+            self.waiting.popleft()
             try:
                 ticket.row = self.decoder.admit(id(ticket), ticket.request)
             except Exception as e:  # noqa: BLE001 - reported to that request alone
@@ -116,3 +165,12 @@ class Engine:
         if gone:
             self.decoder.drop([t.row for t in gone])
             self.tickets = [t for t in self.tickets if not t.cancelled]
+
+
+def default_kv_budget() -> int:
+    """Half the device's memory where MLX reports it (a GPU), else a quarter of the machine's."""
+    info = mx.device_info()
+    total = info.get("memory_size") or info.get("total_memory")
+    if total:
+        return int(total) // 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

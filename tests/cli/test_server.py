@@ -300,3 +300,28 @@ def test_completions_echo_scores_a_text_without_generating(client, runtime):
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
     # Offsets into the returned text: BOS and the space SentencePiece puts before "The" take none of it.
     assert choice.logprobs.text_offset[:4] == [0, 0, len("The"), len("The capital")]
+
+
+def test_a_memory_budget_makes_requests_wait_then_answers_503(runtime):
+    """A budget of 1 MB holds one chat-tiny row of 256 slots (786 KB), not two, nor one of 512: with
+    room for one more waiting request, a burst of eight gets some 503s with Retry-After, and every
+    other request is answered in full with its single-request text."""
+    server = Server("--kv-budget-mb", "1", "--max-queue", "1")
+    try:
+        too_large = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 500})
+        assert too_large.status_code == 400 and too_large.json()["error"]["param"] == "max_tokens"
+
+        def ask(_):
+            return httpx.post(f"{server.url}/v1/completions", timeout=120,
+                              json={"prompt": "Once upon a time", "max_tokens": 200})
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(ask, range(8)))
+        busy = [r for r in responses if r.status_code == 503]
+        done = [r for r in responses if r.status_code == 200]
+        assert busy and done and len(busy) + len(done) == 8
+        assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "server_overloaded" for r in busy)
+        alone = runtime.generate("Once upon a time", 200).text
+        assert all(r.json()["choices"][0]["text"] == alone for r in done)
+    finally:
+        server.stop()
