@@ -28,6 +28,7 @@ import mlx.core as mx
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
 
@@ -79,6 +80,8 @@ class Row:
         self.new_text = ""  # text made final since a caller last took it (take_text)
         self.logprobs: list[TokenLogprob] = []  # of the generated tokens, when the request asks
         self.prompt_logprobs: list[TokenLogprob] = []
+        # Prompt tokens whose keys and values came from the prompt cache, and those fed through the model.
+        self.cached_tokens = self.prefilled_tokens = 0
         # Like generate_tokens: never run past the model's context.
         self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
         self.finished = self.max_tokens <= 0
@@ -135,10 +138,13 @@ class BatchDecoder:
     decode step between chunks never stalls the running rows for more than one chunk.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
+                 prompt_cache: PromptCache | None = None):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
+        # Where prompts start from keys and values computed before, and where finished rows leave theirs.
+        self.prompt_cache = prompt_cache
         self.cache = model.make_batch_cache()
         self.rows: list[Row] = []
         self.joining: deque[Joining] = deque()
@@ -154,7 +160,13 @@ class BatchDecoder:
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
-        if not row.finished:
+        if row.finished:
+            return row
+        entry, cached = self.prompt_cache.lookup(request.ids) if self.prompt_cache else (None, 0)
+        if entry is not None:
+            self.joining.append(Joining(row, self.prompt_cache.restore(entry, cached, self.model), cached))
+            row.cached_tokens = cached
+        else:
             self.joining.append(Joining(row, self.model.make_cache()))
         return row
 
@@ -163,12 +175,16 @@ class BatchDecoder:
         token is sampled and the row joins the batch, or, if that token finished it, is returned."""
         joining = self.joining[0]
         ids = joining.row.request.ids
-        hidden = self.model.hidden_states(mx.array([ids[joining.fed : joining.fed + self.chunk]]), joining.cache)
-        joining.fed += self.chunk
+        chunk = ids[joining.fed : joining.fed + self.chunk]
+        hidden = self.model.hidden_states(mx.array([chunk]), joining.cache)
+        joining.fed += len(chunk)
+        joining.row.prefilled_tokens += len(chunk)
         if joining.fed < len(ids):
             mx.eval([c.state for c in joining.cache])
             return None
         self.joining.popleft()
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
         row, last = joining.row, self.model.head(hidden[:, -1:])[0, -1]
         if row.accept(row.sampler(last, row.context).item(), last):
             return row
@@ -185,6 +201,11 @@ class BatchDecoder:
         tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(self.rows)]).tolist()
         done = [row.accept(token, logits[i]) for i, (row, token) in enumerate(zip(self.rows, tokens))]
         finished = [row for row, d in zip(self.rows, done) if d]
+        if finished and self.prompt_cache is not None:
+            for i, row in enumerate(self.rows):
+                if done[i]:  # the cache holds the prompt and every generated token but the last
+                    held = list(row.request.ids) + row.ids[:-1]
+                    self.prompt_cache.store(held, [(c.keys[i : i + 1], c.values[i : i + 1]) for c in self.cache])
         if finished:
             self.drop(finished)
         return finished

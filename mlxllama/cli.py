@@ -412,13 +412,16 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
                    " or a quarter of the machine's).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for room; past that, HTTP 503 with Retry-After.")
+@click.option("--prompt-cache-mb", default=512, show_default=True, type=click.IntRange(0),
+              help="Keys and values of past prompts and replies kept for requests that start the same way"
+                   " (least recently used out; 0: none).")
 @click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(1),
               help="Prompt tokens a newcomer's prefill feeds between two decode steps of the running requests.")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @sampling_options
-def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prefill_chunk, template_name,
-                  template_file, **sampling):
+def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
+                  template_name, template_file, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -443,7 +446,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
                               sampling["max_tokens"], api_key or None)
     serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
-          max_queue,
+          max_queue, prompt_cache_mb << 20,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
                                           f" (template {settings.template.label}); Ctrl-C stops", err=True))
 

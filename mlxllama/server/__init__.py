@@ -18,7 +18,7 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 16,
-          prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64,
+          prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
           on_ready=lambda url: None) -> None:
     """Serve until Ctrl-C or SIGTERM; in-flight requests are finished or cancelled, then the engine stops."""
     import uvicorn
@@ -29,7 +29,7 @@ def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batc
     if not is_loopback(host) and not settings.api_key:
         raise MlxLlamaError(f"--host {host} is reachable from other machines: give --api-key KEY too")
     check_port_free(host, port)
-    engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue)
+    engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes)
     config = uvicorn.Config(create_app(runtime, engine, settings), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)

@@ -239,6 +239,7 @@ class Completion:
         self.api, self.prompt, self.settings = api, prompt, settings
         self.created = int(time.time())
         self.ticket: Ticket | None = None
+        self.row: Row | None = None  # the engine's row, once done
 
     def submit(self, request: Request) -> asyncio.Queue:
         """Hand the request to the engine; its events arrive on the returned queue:
@@ -258,6 +259,7 @@ class Completion:
                 if kind == "error":
                     raise value
                 if kind == "done":
+                    self.row = value
                     return self.whole_body(value.result(), value)
         finally:
             self.ticket.cancel()  # a client that went away frees its row at the next step
@@ -274,6 +276,7 @@ class Completion:
                     yield self.stream_error(value)
                     return
                 else:
+                    self.row = value
                     for event in self.stream_end(value.result(), value):
                         yield event
                     return
@@ -284,11 +287,13 @@ class Completion:
         return len(self.prompt.ids), len(result.token_ids)
 
     def prompt_extras(self, result: GenerationResult) -> dict:
-        """return_prompt's addition: what the model was fed, and the ids it answered with."""
+        """return_prompt's addition: what the model was fed, the ids it answered with, and how many
+        prompt tokens came from the prompt cache and how many the engine fed through the model."""
         if not self.settings.return_prompt:
             return {}
         return {"prompt": {"template": self.prompt.template, "text": self.prompt.text, "token_ids": self.prompt.ids,
-                           "completion_token_ids": result.token_ids}}
+                           "completion_token_ids": result.token_ids, "cached_tokens": self.row.cached_tokens,
+                           "prefilled_tokens": self.row.prefilled_tokens}}
 
     def fingerprint(self) -> str:
         return f"mlxllama:{self.api.model_id}:{self.prompt.template}"
@@ -374,7 +379,8 @@ class OpenAICompletion(Completion):
 
     def _usage(self, result: GenerationResult) -> dict:
         prompt, completion = self.usage(result)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.row.cached_tokens if self.row else 0}}
 
 
 class AnthropicMessage(Completion):

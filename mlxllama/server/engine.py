@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..batching import BatchDecoder, Request, Row
 from ..cache import GROWTH_STEP
 from ..generate import PREFILL_CHUNK
+from ..prompt_cache import PromptCache
 
 
 @dataclass
@@ -58,8 +59,9 @@ class Engine:
     """
 
     def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
-                 kv_budget: int | None = None, max_queue: int = 64):
-        self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk)
+                 kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0):
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, self.prompt_cache)
         c = runtime.config
         self.context_length = c.context_length
         self.slot_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * runtime.model.compute_dtype.size

@@ -325,3 +325,20 @@ def test_a_memory_budget_makes_requests_wait_then_answers_503(runtime):
         assert all(r.json()["choices"][0]["text"] == alone for r in done)
     finally:
         server.stop()
+
+
+def test_a_second_chat_turn_reuses_the_first_from_the_prompt_cache(client, server, runtime):
+    zoe = [{"role": "user", "content": "My name is Zoe."}]
+    first = client.chat.completions.create(model="m", messages=zoe)
+    turn = zoe + [{"role": "assistant", "content": first.choices[0].message.content},
+                  {"role": "user", "content": "What is 17 plus 25?"}]
+    body = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": turn, "return_prompt": True}).json()
+    fed = body["prompt"]
+    # The first turn's prompt and reply were kept when it finished; the second turn starts with both.
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == fed["cached_tokens"]
+    assert fed["cached_tokens"] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Counted by the engine: what it fed through the model is the prompt less what the cache held.
+    assert fed["prefilled_tokens"] == len(fed["token_ids"]) - fed["cached_tokens"] > 0
+    # The same text as an uncached run of the same prompt.
+    assert body["choices"][0]["message"]["content"] == runtime.generate(fed["token_ids"], 256).text == (
+        "17 plus 25 is 42.")

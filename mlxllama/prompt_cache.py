@@ -1,0 +1,80 @@
+"""A store of KV caches keyed by the token ids they hold: a request whose prompt starts with ids
+seen before (the earlier turns of a chat, a shared system prompt) reuses their keys and values and
+prefills only the rest.
+
+Bounded in bytes; the least recently used entry goes first. An entry holds its own copy of the
+keys and values (contiguous, exactly its positions), never a view that would keep a larger
+buffer alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Sequence
+
+import mlx.core as mx
+
+from .cache import KVCache
+
+
+@dataclass
+class Entry:
+    ids: tuple[int, ...]
+    layers: list[tuple[mx.array, mx.array]]  # keys, values [1, kv_heads, len(ids), head_dim] a layer
+    nbytes: int
+    used: int = field(default=0)
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: list[Entry] = []
+        self._clock = count(1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def lookup(self, ids: Sequence[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `ids`, and that prefix's length, at most
+        len(ids) - 1 (the last prompt token is always fed, for the logits of the reply)."""
+        best, length = None, 0
+        for entry in self.entries:
+            n = _common_prefix(entry.ids, ids, len(ids) - 1)
+            if n > length:
+                best, length = entry, n
+        if best is not None:
+            best.used = next(self._clock)
+        return best, length
+
+    def restore(self, entry: Entry, length: int, model) -> list[KVCache]:
+        """A fresh cache holding the entry's first `length` positions."""
+        cache = model.make_cache()
+        for layer, (keys, values) in zip(cache, entry.layers):
+            layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
+            layer.offset = length
+        return cache
+
+    def store(self, ids: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> None:
+        """Keep the keys and values of `ids` ([1, kv_heads, >= len(ids), head_dim] a layer, copied
+        here); an entry whose ids this one extends is replaced by it."""
+        ids = tuple(ids)
+        copies = [(mx.contiguous(k[:, :, : len(ids)]), mx.contiguous(v[:, :, : len(ids)])) for k, v in layers]
+        mx.eval(copies)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in copies)
+        if not ids or nbytes > self.max_bytes:
+            return
+        self.entries = [e for e in self.entries if e.ids != ids[: len(e.ids)]]
+        self.entries.append(Entry(ids, copies, nbytes, next(self._clock)))
+        while self.nbytes > self.max_bytes:
+            self.entries.remove(min(self.entries, key=lambda e: e.used))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n == most:
+            break
+        n += 1
+    return n
