@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
+import signal
 import socket
+import sys
 
 from ..errors import MlxLlamaError
 
@@ -32,12 +36,37 @@ def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batc
     engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes)
     config = uvicorn.Config(create_app(runtime, engine, settings), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     try:
         on_ready(f"http://{host}:{port}")
         server.run()
     finally:
         engine.stop()
+    # Stopped cleanly: leave without the interpreter's teardown, in which MLX (0.32) aborts the
+    # process ("terminate called without an active exception") when it frees arrays that the
+    # engine's thread made, that thread being gone by then.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a Ctrl-C or SIGTERM ends the process with exit code 0 once the
+        graceful shutdown is done (uvicorn raises the signal again, which kills the process)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def check_port_free(host: str, port: int) -> None:

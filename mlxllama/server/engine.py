@@ -8,6 +8,7 @@ loop).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -99,6 +100,12 @@ class Engine:
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
+        self._serve()
+        for ticket in self.tickets + list(self.waiting):
+            with contextlib.suppress(RuntimeError):  # its event loop may be closed already
+                ticket.on_error(RuntimeError("the server is stopping"))
+
+    def _serve(self) -> None:
         while True:
             if not self._admit():
                 return

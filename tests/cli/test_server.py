@@ -342,3 +342,48 @@ def test_a_second_chat_turn_reuses_the_first_from_the_prompt_cache(client, serve
     # The same text as an uncached run of the same prompt.
     assert body["choices"][0]["message"]["content"] == runtime.generate(fed["token_ids"], 256).text == (
         "17 plus 25 is 42.")
+
+
+def test_an_unforeseen_failure_is_a_500_for_that_request_alone(runtime):
+    from starlette.testclient import TestClient
+
+    from mlxllama.prompt import choose_template
+    from mlxllama.sampling import SamplingParams
+    from mlxllama.server.app import ServerSettings, create_app
+    from mlxllama.server.engine import Engine
+
+    engine = Engine(runtime, max_batch=2)
+    app = create_app(runtime, engine, ServerSettings(choose_template(runtime.chat_template), SamplingParams(), 16))
+    submit, calls = engine.submit, []
+
+    def fails_once(ticket):
+        calls.append(ticket)
+        if len(calls) == 1:
+            raise RuntimeError("/secret/path/engine.py line 12")
+        return submit(ticket)
+
+    engine.submit = fails_once
+    try:
+        with TestClient(app, raise_server_exceptions=False) as http:
+            broken = http.post("/v1/chat/completions", json={"messages": JAPAN})
+            assert broken.status_code == 500
+            assert broken.json() == {"error": {"message": "internal error (RuntimeError)", "type": "server_error",
+                                               "param": None, "code": None}}
+            after = http.post("/v1/chat/completions", json={"messages": JAPAN})
+            assert after.json()["choices"][0]["message"]["content"] == "The capital of Japan is Tokyo."
+    finally:
+        engine.stop()
+
+
+def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight():
+    import signal
+
+    server = Server()
+    with httpx.stream("POST", f"{server.url}/v1/completions",
+                      json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as response:
+        next(response.iter_lines())
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)
+    stderr = server.process.stderr.read()
+    assert server.process.returncode == 0, stderr
+    assert "Traceback" not in stderr
