@@ -1,0 +1,93 @@
+"""Throughput and latency of an OpenAI-compatible server under concurrent streaming clients.
+
+    python benchmarks/serve_bench.py --url http://127.0.0.1:8080 [--clients 1,8,32] [--requests 4]
+        [--max-tokens 64] [--json OUT]
+
+Each of C clients sends --requests streamed chat completions one after another (greedy, the same
+few questions in turn, `stream_options.include_usage`); C = each of --clients in turn. Reports, per
+C: aggregate generated tokens/s (all completion tokens over the wall time), time to first token
+and inter-token latency (the gaps between streamed chunks), p50 and p95. It speaks only the
+OpenAI API, so it measures `mlxllama serve` and llama.cpp's `llama-server` alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import time
+
+import httpx
+
+QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is the capital of France?",
+             "Tell me about the capital of Italy.", "What is the opposite of hot?", "What is 9 plus 33?", "Hello!"]
+
+
+def one_request(url: str, question: str, max_tokens: int) -> dict:
+    body = {"model": "any", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    return {"ttft": arrivals[0] - start if arrivals else None,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens or len(arrivals)}
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    def client(number: int) -> list[dict]:
+        return [one_request(url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens) for i in range(requests)]
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    wall = time.perf_counter() - start
+    ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    return {"clients": clients, "requests": len(results), "seconds": wall,
+            "tokens_per_second": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
+            "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p95_ms": 1000 * percentile(gaps, 95)}
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1] if len(values) > 1 else values[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8080")
+    parser.add_argument("--clients", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+    rows = []
+    print("clients  requests  tokens/s  TTFT p50/p95 ms  ITL p50/p95 ms")
+    for clients in (int(c) for c in args.clients.split(",")):
+        row = run(args.url, clients, args.requests, args.max_tokens)
+        rows.append(row)
+        print(f"{clients:7d}  {row['requests']:8d}  {row['tokens_per_second']:8.1f}  "
+              f"{row['ttft_p50_ms']:7.1f} / {row['ttft_p95_ms']:<7.1f} {row['itl_p50_ms']:6.1f} / {row['itl_p95_ms']:.1f}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"url": args.url, "max_tokens": args.max_tokens, "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except httpx.HTTPError as error:
+        raise SystemExit(f"serve_bench.py: {error}")
