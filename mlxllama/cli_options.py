@@ -1,0 +1,138 @@
+"""The options the `mlxllama` commands share, and what they become: the model to load, the
+sampling settings, the template choice."""
+
+from __future__ import annotations
+
+import os
+from importlib.resources import files
+
+import click
+
+from .errors import MlxLlamaError, parse_json_object
+
+
+MODEL_ENV = "MLXLLAMA_MODEL"
+
+
+def default_model_path() -> str:
+    """$MLXLLAMA_MODEL, else the small demo model shipped inside the package."""
+    return os.environ.get(MODEL_ENV) or str(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf")
+
+
+def model_option(f):
+    return click.option(
+        "--model", "-m", "model_path", default=None, metavar="GGUF",
+        help=f"GGUF model file (default: ${MODEL_ENV}, else the bundled demo model chat-tiny Q4_K_M).",
+    )(f)
+
+
+def sampling_options(f):
+    options = [
+        click.option("--max-tokens", "-n", default=256, show_default=True, type=click.IntRange(0),
+                     help="Most tokens to generate."),
+        click.option("--temperature", "--temp", "-t", default=0.0, show_default=True,
+                     type=click.FloatRange(0, float("inf"), max_open=True), help="0 is greedy."),
+        click.option("--top-k", default=40, show_default=True, help="Keep the k likeliest tokens (0: all)."),
+        click.option("--top-p", default=0.95, show_default=True, help="Nucleus: keep the smallest set with this mass."),
+        click.option("--min-p", default=0.05, show_default=True, help="Drop tokens below min-p x the top probability."),
+        click.option("--repeat-penalty", default=1.0, show_default=True, help="Penalty for recent tokens (1: off)."),
+        click.option("--repeat-last-n", default=64, show_default=True, help="Window of the repeat penalty (-1: all)."),
+        click.option("--presence-penalty", default=0.0, show_default=True,
+                     help="Subtracted once from a generated token's logit (OpenAI's; -2 to 2)."),
+        click.option("--frequency-penalty", default=0.0, show_default=True,
+                     help="Subtracted from a token's logit for each time it was generated (OpenAI's; -2 to 2)."),
+        click.option("--logit-bias", multiple=True, metavar="ID=BIAS", callback=parse_logit_bias,
+                     help="Add BIAS (-100 to 100) to token ID's logit (repeatable)."),
+        click.option("--seed", type=click.IntRange(0), default=None, help="Random seed for sampling (reproducible runs)."),
+        click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def parse_logit_bias(ctx, param, values) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for value in values:
+        token, _, bias = value.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not ID=BIAS (e.g. 29889=-100)") from None
+    return tuple(pairs)
+
+
+def sampling_params(options: dict):
+    """The sampling options as SamplingParams, which checks them (a NaN passes click's range check)."""
+    from .sampling import InvalidSampling, SamplingParams
+
+    try:
+        return SamplingParams(**{name: options[name] for name in SamplingParams.names()})
+    except InvalidSampling as e:
+        raise MlxLlamaError(f"--{e.name.replace('_', '-')} must be {e.must}, got {e.value}") from None
+
+
+def template_options(f):
+    options = [
+        click.option("--no-template", is_flag=True, help="Feed the raw prompt, with BOS if the file asks for one (as llama.cpp)."),
+        click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template."),
+        click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file."),
+        click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object."),
+        click.option("--system", metavar="TEXT", help="System message (with a template)."),
+        click.option("--show-prompt", is_flag=True, help="Print the rendered prompt and its token ids to stderr."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def check_no_template(no_template: bool, system: str | None, compare_template: bool, template_name: str | None,
+                      template_file: str | None) -> None:
+    """The template options that exclude each other, named in one line."""
+    if no_template and (system or compare_template):
+        raise MlxLlamaError("--no-template cannot be combined with --system or --compare-template")
+    given = [name for name, value in (("--no-template", no_template), ("--template", template_name),
+                                      ("--template-file", template_file)) if value]
+    if len(given) > 1:
+        raise MlxLlamaError(f"{' and '.join(given)} exclude each other: give one template source")
+
+
+def parse_template_kwargs(raw: str | None) -> dict:
+    return parse_json_object(raw, "--template-kwargs") if raw else {}
+
+
+def dequantize_option(f):
+    # Not passed to the command: load_model reads it, so commands need no extra parameter.
+    return click.option(
+        "--dequantize", is_flag=True, expose_value=False,
+        callback=lambda ctx, _param, value: ctx.meta.__setitem__("mlxllama.dequantize", value),
+        help="Expand quantized weights to float (float16 on a GPU) instead of running them quantized.",
+    )(f)
+
+
+def dequantize_requested() -> bool:
+    return bool(click.get_current_context().meta.get("mlxllama.dequantize"))
+
+
+def context_option(f):
+    # Not passed to the command: load_model reads it, as it reads --dequantize. A plain int, so that
+    # a bad value is the one-line error of the loader rather than click's usage message.
+    return click.option(
+        "--ctx", "-c", type=int, default=None, metavar="N", expose_value=False,
+        callback=lambda ctx, _param, value: ctx.meta.__setitem__("mlxllama.context_length", value),
+        help="Context length in tokens, at most the model's trained context (the default); as llama.cpp's -c,"
+             " it also picks Phi-3's short or long LongRoPE factors.",
+    )(f)
+
+
+def context_requested() -> int | None:
+    return click.get_current_context().meta.get("mlxllama.context_length")
+
+
+def load_model(model_path: str | None, context_length: int | None = None):
+    """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context."""
+    from .runtime import load
+
+    if context_length is None:
+        context_length = context_requested()
+    return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length)
