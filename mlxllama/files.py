@@ -37,24 +37,19 @@ class CheckedStream:
         self.stream, self.name = stream, name
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise WriteError(self.name, e) from None
+        return self._checked(self.stream.write, text)
 
     def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise WriteError(self.name, e) from None
+        self._checked(self.stream.flush)
 
     def close(self) -> None:
+        self._checked(self.stream.close)
+
+    def _checked(self, operation, *args):
         try:
-            self.stream.close()
+            return operation(*args)
+        except BrokenPipeError:
+            raise
         except OSError as e:
             raise WriteError(self.name, e) from None
 
