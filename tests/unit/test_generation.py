@@ -185,7 +185,7 @@ def test_text_collector_matches_its_specification(pieces, stop):
         streamed += collector.add(token_id)
         hits = sorted((text.find(s), s) for s in stop if s in text)
         if hits:
-            (cut, matched), text = hits[0], text[: hits[0][0]]
+            (_, matched), text = hits[0], text[: hits[0][0]]
             assert (collector.finish, collector.stop, collector.text) == ("stop", matched, text)
             break
         assert streamed == text[: len(text) - _held_back(text, stop)] and collector.text == text
