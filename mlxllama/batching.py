@@ -82,6 +82,8 @@ class Row:
         self.prompt_logprobs: list[TokenLogprob] = []
         # Prompt tokens whose keys and values came from the prompt cache, and those fed through the model.
         self.cached_tokens = self.prefilled_tokens = 0
+        self._logprobs_taken = 0
+        self._result: GenerationResult | None = None
         # Like generate_tokens: never run past the model's context.
         self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
         self.finished = self.max_tokens <= 0
@@ -107,13 +109,12 @@ class Row:
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The generated tokens' log-probabilities not taken before."""
-        taken = getattr(self, "_logprobs_taken", 0)
-        self._logprobs_taken = len(self.logprobs)
+        taken, self._logprobs_taken = self._logprobs_taken, len(self.logprobs)
         return self.logprobs[taken:]
 
     def result(self) -> GenerationResult:
         """The finished row's result (its text closed: what was held back for stop strings is final)."""
-        if getattr(self, "_result", None) is None:
+        if self._result is None:
             self.new_text += self.collector.close()
             self._result = GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids),
                                                self.start, self.first_token_time)
@@ -199,7 +200,9 @@ class BatchDecoder:
             return []
         logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
         tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(self.rows)]).tolist()
-        done = [row.accept(token, logits[i]) for i, (row, token) in enumerate(zip(self.rows, tokens))]
+        # A row's logits go with its token only where the request asked for log-probabilities.
+        done = [row.accept(token, logits[i] if row.request.logprobs is not None else None)
+                for i, (row, token) in enumerate(zip(self.rows, tokens))]
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished and self.prompt_cache is not None:
             for i, row in enumerate(self.rows):

@@ -72,7 +72,7 @@ def silence_stdout() -> None:
     instead of failing again there."""
     sys.stdout = open(os.devnull, "w")
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+        os.dup2(sys.stdout.fileno(), sys.__stdout__.fileno())
     except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured output)
         pass
 
@@ -309,7 +309,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
     from .prompt import choose_template
-    from .server import serve
+    from .server import check_listen, serve
 
     try:
         from .server.app import ServerSettings
@@ -318,6 +318,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 
     check_no_template(False, None, False, template_name, template_file)
     params = sampling_params(sampling)
+    check_listen(host, port, api_key)
     runtime = load_model(model_path)
     settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
                               sampling["max_tokens"], api_key or None)

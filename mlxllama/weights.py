@@ -30,16 +30,21 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
     its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized."""
     model = architecture.build(config, dtype)
-    names = architecture.tensors(config)
-    groups = [f"blk.{i}." for i in range(config.n_layers)] + [None]
-    for prefix in groups:
-        part = {name: entry for name, entry in names.items()
-                if (name.startswith(prefix) if prefix else not name.startswith("blk."))}
+    # The tensors of each block ("blk.N."), then the rest: the embedding and output, larger than a block.
+    blocks: list[dict] = [{} for _ in range(config.n_layers)]
+    rest: dict = {}
+    for name, entry in architecture.tensors(config).items():
+        (blocks[int(name.split(".")[1])] if name.startswith("blk.") else rest)[name] = entry
+
+    def load(part: dict) -> None:
         _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                          lookup_only=name == "token_embd.weight" and not config.tied_output)
                       for name, (parameter, shape) in part.items()})
-        if prefix:
-            fuse_block(model.blk[groups.index(prefix)])
+
+    for block, part in zip(model.blk, blocks):
+        load(part)
+        fuse_block(block)
+    load(rest)
     return model
 
 

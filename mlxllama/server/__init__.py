@@ -21,18 +21,24 @@ def is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+def check_listen(host: str, port: int, api_key: str | None) -> None:
+    """Whether the server may listen there, checked before the model loads: a host other machines
+    reach needs an API key, and the port must be free."""
+    if not is_loopback(host) and not api_key:
+        raise MlxLlamaError(f"--host {host} is reachable from other machines: give --api-key KEY too")
+    check_port_free(host, port)
+
+
 def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 16,
           prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
           on_ready=lambda url: None) -> None:
-    """Serve until Ctrl-C or SIGTERM; in-flight requests are finished or cancelled, then the engine stops."""
+    """Serve until Ctrl-C or SIGTERM (check_listen first); in-flight requests are finished or
+    cancelled, then the engine stops."""
     import uvicorn
 
     from .app import create_app
     from .engine import Engine
 
-    if not is_loopback(host) and not settings.api_key:
-        raise MlxLlamaError(f"--host {host} is reachable from other machines: give --api-key KEY too")
-    check_port_free(host, port)
     engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes)
     config = uvicorn.Config(create_app(runtime, engine, settings), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)

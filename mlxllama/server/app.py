@@ -30,7 +30,7 @@ from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
 from ..sampling import SamplingParams
 from .engine import Engine, Overloaded, Ticket, TooLarge
-from .protocol import ApiError, Settings, read_messages, read_prompt, read_settings
+from .protocol import ApiError, Settings, read_anthropic, read_messages, read_prompt, read_settings
 
 
 @dataclass
@@ -75,12 +75,7 @@ class Api:
     async def chat_completions(self, request: HttpRequest) -> Response:
         async def handle(body: dict) -> Response:
             settings = read_settings(body, self.settings.params, self.settings.max_tokens, {"messages"})
-            messages = read_messages(body)
-            template = self._template(settings.template)
-            try:
-                prompt = build_prompt(self.runtime.tokenizer, template, messages, settings.template_kwargs)
-            except MlxLlamaError as e:
-                raise ApiError(str(e), "messages") from None
+            prompt = self._chat_prompt(self._template(settings.template), read_messages(body), settings.template_kwargs)
             return await self._respond(prompt, settings, chat=True)
 
         return await self._guarded(request, handle)
@@ -97,28 +92,9 @@ class Api:
         """Anthropic's Messages API: its fields read as the OpenAI ones they mean."""
 
         async def handle(body: dict) -> Response:
-            if not _integer_at_least(body.get("max_tokens"), 1):
-                raise ApiError("'max_tokens' is required: a positive integer", "max_tokens")
-            system = body.get("system")
-            if isinstance(system, list):
-                system = read_messages({"messages": [{"role": "system", "content": system}]})[0]["content"]
-            if system is not None and not isinstance(system, str):
-                raise ApiError("'system' must be a string or a list of text blocks", "system")
-            messages = read_messages(body)
-            if system:
-                messages = [{"role": "system", "content": system}, *messages]
-            fields = {"max_tokens": body["max_tokens"], "stop": body.get("stop_sequences") or [],
-                      **{k: body[k] for k in ("temperature", "top_p", "top_k", "stream") if k in body}}
-            for name in body:
-                if name not in {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
-                                "top_k", "stream", "metadata"}:
-                    raise ApiError(f"'{name}' is not supported by this server", name)
+            messages, fields = read_anthropic(body)
             settings = read_settings(fields, self.settings.params, self.settings.max_tokens, set())
-            try:
-                prompt = build_prompt(self.runtime.tokenizer, self.settings.template, messages)
-            except MlxLlamaError as e:
-                raise ApiError(str(e), "messages") from None
-            return await self._respond(prompt, settings, chat=None)
+            return await self._respond(self._chat_prompt(self.settings.template, messages), settings, chat=None)
 
         return await self._guarded(request, handle, anthropic=True)
 
@@ -192,6 +168,12 @@ class Api:
             raise ApiError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            kind="authentication_error", code="invalid_api_key")
 
+    def _chat_prompt(self, template: Template, messages: list[dict], template_kwargs: dict | None = None) -> Prompt:
+        try:
+            return build_prompt(self.runtime.tokenizer, template, messages, template_kwargs)
+        except MlxLlamaError as e:
+            raise ApiError(str(e), "messages") from None
+
     def _template(self, name: str | None) -> Template:
         if name is None:
             return self.settings.template
@@ -225,10 +207,6 @@ class Api:
         if settings.stream:
             return StreamingResponse(completion.stream(events), media_type="text/event-stream")
         return JSONResponse(await completion.whole(events))
-
-
-def _integer_at_least(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 class Completion:

@@ -140,16 +140,42 @@ def read_messages(body: dict) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ApiError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ApiError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": read_content(message.get("content"), f"messages[{i}].content")})
     return out
+
+
+def read_content(content: Any, field: str) -> str:
+    """A message's text: a string, or a list of text parts (OpenAI's and Anthropic's blocks) joined."""
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise ApiError(f"{field}: only text parts are supported", field)
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise ApiError(f"{field} must be a string or a list of text parts", field)
+    return content
+
+
+ANTHROPIC_FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
+                    "stream", "metadata"}
+
+
+def read_anthropic(body: dict) -> tuple[list[dict[str, Any]], dict]:
+    """Anthropic's Messages request as the chat messages (its system first) and the OpenAI fields
+    its own ones mean, for read_settings."""
+    for name in body:
+        if name not in ANTHROPIC_FIELDS:
+            raise ApiError(f"'{name}' is not supported by this server", name)
+    if not _integer(body.get("max_tokens")) or body["max_tokens"] < 1:
+        raise ApiError("'max_tokens' is required: a positive integer", "max_tokens")
+    messages = read_messages(body)
+    if body.get("system") is not None:
+        system = read_content(body["system"], "system")
+        if system:
+            messages = [{"role": "system", "content": system}, *messages]
+    fields = {"max_tokens": body["max_tokens"], "stop": body.get("stop_sequences") or [],
+              **{k: body[k] for k in ("temperature", "top_p", "top_k", "stream") if k in body}}
+    return messages, fields
 
 
 def read_prompt(body: dict) -> str:
