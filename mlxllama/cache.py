@@ -149,6 +149,9 @@ class BatchKVCache:
 
     def keep(self, rows: list[int]) -> None:
         """Drop every row not listed, so finished sequences cost no more compute."""
+        if not rows:  # an unevaluated empty slice would keep the whole buffer alive until the next row
+            self.__init__()
+            return
         index = mx.array(rows, mx.int32)
         self.keys, self.values = self.keys[index], self.values[index]
         self.lengths, self._offset = [self.lengths[r] for r in rows], None

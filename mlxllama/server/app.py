@@ -65,8 +65,11 @@ class Api:
     # ---- the routes ----------------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> Response:
+        cache = self.engine.prompt_cache
         return JSONResponse({"status": "ok", "requests_running": self.engine.running,
-                             "active_memory_bytes": mx.get_active_memory()})
+                             "requests_waiting": self.engine.waiting_count,
+                             "active_memory_bytes": mx.get_active_memory(),
+                             "prompt_cache_bytes": cache.nbytes if cache else 0})
 
     async def models(self, request: HttpRequest) -> Response:
         return await self._guarded(request, lambda body: JSONResponse({"object": "list", "data": [

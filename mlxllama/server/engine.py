@@ -79,6 +79,11 @@ class Engine:
         """Requests in the batch now."""
         return len(self.tickets)
 
+    @property
+    def waiting_count(self) -> int:
+        """Requests submitted and not yet in the batch."""
+        return self.inbox.qsize() + len(self.waiting)
+
     def kv_bytes(self, rows: int, slots: int) -> int:
         """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows)."""
         return rows * -(-min(slots, self.context_length) // GROWTH_STEP) * GROWTH_STEP * self.slot_bytes
@@ -90,7 +95,7 @@ class Engine:
         if self.kv_bytes(1, self.need(ticket.request)) > self.kv_budget:
             raise TooLarge(f"the request's KV cache ({self.kv_bytes(1, self.need(ticket.request)) >> 20} MiB) would"
                            f" exceed the server's budget of {self.kv_budget >> 20} MiB; ask for fewer max_tokens")
-        if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
+        if self.waiting_count >= self.max_queue:
             raise Overloaded(f"{self.max_queue} requests are already waiting")
         self.inbox.put(ticket)
         return ticket
