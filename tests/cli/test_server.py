@@ -392,3 +392,47 @@ def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight():
     stderr = server.process.stderr.read()
     assert server.process.returncode == 0, stderr
     assert "Traceback" not in stderr
+
+
+def test_a_long_prompt_joins_in_chunks_without_stalling_a_running_stream():
+    """While a 2,048-token prompt is prefilled in chunks of 256, a running stream gets a token
+    after every chunk: its largest gap stays within about one chunk and one step, not the prompt's."""
+    chunk, model = 256, REPO / "tests" / "fixtures" / "mistral-tiny-Q4_K_M.gguf"  # a 32k context
+    server = Server("-m", str(model), "-c", "4096", "--prefill-chunk", str(chunk))
+    try:
+        sentence = "The old harbour town wakes before the sun, and the boats come back with the tide. "
+        text = sentence * 80
+        length = len(httpx.post(f"{server.url}/tokenize", json={"content": text}).json()["tokens"])
+        assert 2048 <= length <= 3000
+        arrivals: list[tuple[float, int]] = []  # (time, tokens) of each piece of the running stream
+        joined = []
+
+        def run_stream():
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                              json={"prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "logprobs": 0}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens = json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+                        arrivals.append((time.perf_counter(), len(tokens)))
+                    if joined and len(arrivals) > 20 and arrivals[-1][0] > joined[-1] + 0.2:
+                        return
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(run_stream)
+            while len(arrivals) < 20:
+                time.sleep(0.01)
+            start = time.perf_counter()
+            body = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                              json={"prompt": text, "max_tokens": 1, "return_prompt": True}).json()
+            joined.append(time.perf_counter())
+            stream.result()
+        assert body["prompt"]["prefilled_tokens"] == length
+        during = [i for i, (t, _) in enumerate(arrivals) if start < t < joined[0]]
+        chunks = -(-length // chunk)
+        # The engine runs one chunk, then one step of the running rows: a token after every chunk but the last.
+        assert sum(arrivals[i][1] for i in during) >= chunks - 1
+        gaps = [arrivals[i][0] - arrivals[i - 1][0] for i in during[1:]]
+        # The join took `chunks` chunks and steps; one gap is about one of them, all of it unchunked.
+        assert max(gaps) < 2 * (joined[0] - start) / chunks
+    finally:
+        server.stop()
