@@ -16,6 +16,11 @@ def causal_mask(length: int) -> str | None:
     return None if length == 1 else "causal"
 
 
+def kv_bytes_per_position(config, dtype: mx.Dtype) -> int:
+    """Keys and values of every layer for one position of one sequence."""
+    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype.size
+
+
 class KVCache:
     def __init__(self):
         self.keys: mx.array | None = None

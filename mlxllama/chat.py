@@ -1,7 +1,9 @@
 """A multi-turn conversation whose history lives in the KV cache.
 
-Each turn re-renders the whole conversation with the template, keeps the cached tokens that still
-match the new rendering, and feeds only the rest, so turn two costs only its new suffix.
+Each turn re-renders the whole conversation with the template, takes from the prompt cache (the
+store the server uses too) the keys and values of the longest prefix of that rendering it holds,
+feeds only the rest, and puts the cache back when the reply is done: turn two costs only its new
+suffix, and after /reset a system prompt seen before is not computed again.
 """
 
 from __future__ import annotations
@@ -9,27 +11,21 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterator
 
+from .cache import GROWTH_STEP, kv_bytes_per_position
 from .errors import MlxLlamaError, count
 from .files import write_text_atomic
 from .generate import TextStream
 from .prompt import Template, render_messages, tokenize_rendered, with_system
+from .prompt_cache import PromptCache
 from .runtime import Runtime
 from .sampling import SamplingParams, make_sampler
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ChatSession:
     def __init__(self, runtime: Runtime, template: Template, system: str | None = None,
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: tuple[str, ...] = (),
-                 template_kwargs: dict | None = None, notify: Callable[[str], None] = lambda message: None):
+                 template_kwargs: dict | None = None, notify: Callable[[str], None] = lambda message: None,
+                 prompt_cache: PromptCache | None = None):
         if template.text is None:
             raise MlxLlamaError("chat needs a chat template; pass --template NAME or --template-file PATH")
         self.runtime, self.template = runtime, template
@@ -38,17 +34,14 @@ class ChatSession:
         self.notify = notify
         self.system = system
         self.messages: list[dict[str, str]] = []
-        self.cache = runtime.new_cache()
-        self.cached_ids: list[int] = []  # exactly the tokens the cache holds
+        # Room for the conversation at its longest and one earlier prefix (a system prompt after /reset).
+        per_position = kv_bytes_per_position(runtime.config, runtime.model.compute_dtype)
+        self.prompt_cache = prompt_cache or PromptCache(2 * (runtime.config.context_length + GROWTH_STEP) * per_position)
+        self.last_cached = 0  # prompt tokens the last turn found in the prompt cache
         self.last_fed = 0  # tokens fed on the last turn (prompt suffix + reply)
 
     def reset(self) -> None:
         self.messages = []
-        self.forget_cache()
-
-    def forget_cache(self) -> None:
-        self.cache = self.runtime.new_cache()
-        self.cached_ids = []
 
     def set_system(self, text: str | None) -> None:
         self.system = text or None
@@ -85,24 +78,18 @@ class ChatSession:
         except BaseException:
             self.messages = before
             raise
-        keep = common_prefix_length(self.cached_ids, prompt_ids)
-        if keep == len(prompt_ids):
-            keep -= 1  # the last prompt token must be fed to get logits for the reply
-        for layer in self.cache:
-            layer.trim(layer.offset - keep)
-        self.cached_ids = self.cached_ids[:keep]
-        stream = TextStream(self.runtime.model, self.runtime.tokenizer, self.cache, prompt_ids,
+        cache, keep = self.prompt_cache.take(prompt_ids, self.runtime.model)
+        stream = TextStream(self.runtime.model, self.runtime.tokenizer, cache, prompt_ids,
                             make_sampler(self.params), self.max_tokens, self.stop, new_ids=prompt_ids[keep:])
         try:
             yield from stream
         except BaseException:
-            # An interrupted step may have left some layers' caches a token ahead of others.
-            self.forget_cache()
+            # The cache is not put back: an interrupted step may have left some layers a token ahead of others.
             self.messages = before
             raise
         result = stream.result
-        self.last_fed = len(prompt_ids) - keep + len(result.token_ids)
-        self.cached_ids = prompt_ids + result.token_ids
+        self.last_cached, self.last_fed = keep, len(prompt_ids) - keep + len(result.token_ids)
+        self.prompt_cache.put(prompt_ids + result.token_ids, cache)
         self.messages.append({"role": "assistant", "content": result.text})
         self.last_result = result
 

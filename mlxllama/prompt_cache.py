@@ -2,9 +2,10 @@
 seen before (the earlier turns of a chat, a shared system prompt) reuses their keys and values and
 prefills only the rest.
 
-Bounded in bytes; the least recently used entry goes first. An entry holds its own copy of the
-keys and values (contiguous, exactly its positions), never a view that would keep a larger
-buffer alive.
+Bounded in bytes; the least recently used entry goes first. The server stores copies of finished
+rows (contiguous, exactly their positions, never a view that would keep the batch's buffer alive)
+and restores from them without taking them out. A chat session puts its own cache in between
+turns and takes it out for the next one, buffers and all, so a turn copies nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .cache import KVCache
 @dataclass
 class Entry:
     ids: tuple[int, ...]
-    layers: list[tuple[mx.array, mx.array]]  # keys, values [1, kv_heads, len(ids), head_dim] a layer
+    # keys, values [1, kv_heads, >= len(ids), head_dim] a layer; positions past len(ids) are unused
+    layers: list[tuple[mx.array, mx.array]]
     nbytes: int
     used: int = field(default=0)
 
@@ -62,11 +64,34 @@ class PromptCache:
         ids = tuple(ids)
         copies = [(mx.contiguous(k[:, :, : len(ids)]), mx.contiguous(v[:, :, : len(ids)])) for k, v in layers]
         mx.eval(copies)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in copies)
+        self._add(ids, copies)
+
+    def take(self, ids: Sequence[int], model) -> tuple[list[KVCache], int]:
+        """A cache to continue `ids` from: the entry sharing the longest prefix with them, taken
+        out of the store (the caller owns its buffers now) and cut to that prefix, or a fresh cache;
+        and how many of `ids` it holds."""
+        entry, length = self.lookup(ids)
+        cache = model.make_cache()
+        if entry is None:
+            return cache, 0
+        self.entries.remove(entry)
+        for layer, (keys, values) in zip(cache, entry.layers):
+            layer.keys, layer.values, layer.offset = keys, values, length
+        return cache, length
+
+    def put(self, ids: Sequence[int], cache: Sequence[KVCache]) -> None:
+        """Keep a cache its owner is done with for now, as it is (no copy), holding the first
+        `cache[0].offset` of `ids`."""
+        self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache])
+
+    def _add(self, ids: tuple[int, ...], layers: list[tuple[mx.array, mx.array]]) -> None:
+        """A new entry, replacing those whose ids it extends; then the least recently used go
+        while the store is over its bound."""
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if not ids or nbytes > self.max_bytes:
             return
         self.entries = [e for e in self.entries if e.ids != ids[: len(e.ids)]]
-        self.entries.append(Entry(ids, copies, nbytes, next(self._clock)))
+        self.entries.append(Entry(ids, layers, nbytes, next(self._clock)))
         while self.nbytes > self.max_bytes:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
 

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..batching import BatchDecoder, Request, Row
-from ..cache import GROWTH_STEP
+from ..cache import GROWTH_STEP, kv_bytes_per_position
 from ..generate import PREFILL_CHUNK
 from ..prompt_cache import PromptCache
 
@@ -63,9 +63,8 @@ class Engine:
                  kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0):
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, self.prompt_cache)
-        c = runtime.config
-        self.context_length = c.context_length
-        self.slot_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * runtime.model.compute_dtype.size
+        self.context_length = runtime.config.context_length
+        self.slot_bytes = kv_bytes_per_position(runtime.config, runtime.model.compute_dtype)
         self.kv_budget = kv_budget if kv_budget is not None else default_kv_budget()
         self.max_queue = max_queue
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()

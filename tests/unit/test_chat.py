@@ -28,20 +28,40 @@ def test_two_turns_through_a_pipe():
     assert result.stdout == "The capital of Japan is Tokyo.\n17 plus 25 is 42.\n"
 
 
+def held(chat: ChatSession) -> list[int]:
+    """The token ids of the conversation's entry in the prompt cache: what its KV cache holds."""
+    [entry] = chat.prompt_cache.entries
+    return list(entry.ids)
+
+
 def test_second_turn_feeds_only_the_new_suffix():
     chat = session()
     first = "".join(chat.send("What is the capital of Japan?"))
     assert first == "The capital of Japan is Tokyo."
-    after_first = list(chat.cached_ids)
-    assert chat.cache[0].offset == len(after_first)
+    after_first = held(chat)
+    buffers = [keys for keys, _ in chat.prompt_cache.entries[0].layers]
     second = "".join(chat.send("What is 17 plus 25?"))
     assert second == "17 plus 25 is 42."
-    prompt_ids = chat.cached_ids[: len(chat.cached_ids) - len(chat.last_result.token_ids)]
+    prompt_ids = held(chat)[: len(held(chat)) - len(chat.last_result.token_ids)]
     # The whole first turn (prompt, answer and its EOS) is reused from the cache...
-    assert prompt_ids[: len(after_first)] == after_first
-    # ...so turn two feeds only its new prompt suffix plus its reply.
+    assert prompt_ids[: len(after_first)] == after_first and chat.last_cached == len(after_first)
+    # ...so turn two feeds only its new prompt suffix plus its reply,
     assert chat.last_fed == len(prompt_ids) - len(after_first) + len(chat.last_result.token_ids)
-    assert [c.offset for c in chat.cache] == [len(chat.cached_ids)] * len(chat.cache)
+    # into the same buffers (no copy between turns: both turns fit the first 256 slots).
+    assert [keys.shape for keys, _ in chat.prompt_cache.entries[0].layers] == [b.shape for b in buffers]
+    assert chat.prompt_cache.nbytes == sum(k.nbytes + v.nbytes for k, v in chat.prompt_cache.entries[0].layers)
+
+
+def test_a_reset_chat_reuses_its_system_prompt_from_the_prompt_cache():
+    chat = session(system="You answer questions.")
+    "".join(chat.send("What is the capital of Japan?"))
+    chat.reset()
+    second = "".join(chat.send("What is 17 plus 25?"))
+    # The 22 tokens both conversations start with (BOS, the system turn, "<|user|>\nWhat is") come
+    # from the cache; the rest of the question on is fed.
+    assert chat.last_cached == len(held(chat)) - chat.last_fed == 22
+    fresh = session(system="You answer questions.")
+    assert "".join(fresh.send("What is 17 plus 25?")) == second and fresh.last_cached == 0
 
 
 def test_changed_history_re_prefills_from_the_first_difference():
@@ -51,8 +71,8 @@ def test_changed_history_re_prefills_from_the_first_difference():
     assert "".join(chat.send("What is 17 plus 25?")) == "17 plus 25 is 42."
     # A system message changes the rendering near its start: only BOS, "▁<" and "|" (shared by
     # "<|system|>" and "<|user|>") are kept, the rest is fed again.
-    assert chat.cached_ids[:4] == [1, 529, 29989, 5205]
-    assert chat.last_fed == len(chat.cached_ids) - 3
+    assert held(chat)[:4] == [1, 529, 29989, 5205]
+    assert chat.last_cached == 3 and chat.last_fed == len(held(chat)) - 3
 
 
 def test_commands_history_system_save_reset(tmp_path):
@@ -91,7 +111,7 @@ def test_full_context_drops_the_oldest_turns():
     for _ in range(4):
         "".join(chat.send(question.strip()))
     assert notices and notices[0].startswith("context full: dropped the oldest")
-    assert len(chat.cached_ids) < chat_tiny().config.context_length
+    assert len(held(chat)) < chat_tiny().config.context_length
 
 
 def test_a_failing_line_is_reported_and_the_chat_goes_on(tmp_path):

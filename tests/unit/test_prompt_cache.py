@@ -49,3 +49,22 @@ def test_a_restored_prefix_continues_exactly_as_a_fresh_prefill():
     got = model(mx.array([ids[n:]]), restored)[0, -1]
     assert n == 6 and restored[0].offset == len(ids)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
+
+
+def test_a_taken_cache_is_the_one_put_cut_to_the_shared_prefix_and_leaves_the_store():
+    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    model, ids = runtime.model, runtime.tokenize("The capital of Italy is Rome. The capital of Japan is")
+    cache = model.make_cache()
+    model(mx.array([ids]), cache)
+    store = PromptCache(1 << 30)
+    store.put(ids + [99], cache)  # the cache holds only `ids`: the id past its offset is not kept
+    assert [e.ids for e in store.entries] == [tuple(ids)]
+    other = ids[:6] + runtime.tokenize("Paris", add_bos=False)
+    taken, n = store.take(other, model)
+    assert n == 6 and store.entries == [] and store.nbytes == 0
+    assert all(t.keys is c.keys and t.offset == 6 for t, c in zip(taken, cache))  # its buffers, not a copy
+    fresh = model.make_cache()
+    want = model(mx.array([other]), fresh)[0, -1]
+    got = model(mx.array([other[n:]]), taken)[0, -1]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
+    assert store.take(other, model)[1] == 0
