@@ -3,9 +3,11 @@
 # and docs/maintaining.md give the calls in order.
 #
 #   bash benchmarks/gpu.sh payload [--llama-cpp]  # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
-#                                                 # gguf wheel, xz-compressed and split in parts of 16 MB, so that
+#                                                 # gguf, starlette and uvicorn wheels (the rest is
+#                                                 # in the machine's image), xz-compressed and split in parts of 16 MB, so that
 #                                                 # each call carries one part beside the repository (64 MiB a call);
-#                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's) to p1
+#                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's) to
+#                                                 # the last part
 #   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the part with
 #                                                 # llama.cpp's source also starts building it in the background
 #   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
@@ -13,6 +15,8 @@
 #   bash benchmarks/gpu.sh test [PYTEST ARGS]     # there: the whole suite on the GPU (tests/cuda runs only there)
 #   bash benchmarks/gpu.sh bench                  # there: bench with the kernels, the plain step and --dequantize,
 #                                                 # profiles, the kernel trace, then llama-bench and llama-batched-bench
+#   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
+#                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
 #
 # The calls must follow each other while the machine is warm (it is given back 30 s after a call).
 # Every command there runs with PYTHONPATH=$GPU_WORK/site; results are written under $OUT when set.
@@ -30,7 +34,7 @@ payload() {
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$tmp/dl" \
-        mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0
+        mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0
     mkdir -p "$tmp/site"
     for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
@@ -44,12 +48,19 @@ payload() {
         local full=$tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp cut=$tmp/llama.cpp
         mkdir -p "$cut/tools" "$cut/ggml/src"
         cp -r "$full"/{CMakeLists.txt,LICENSE,cmake,include,src,common,licenses,vendor} "$cut/"
-        cp -r "$full"/tools/{llama-bench,batched-bench} "$cut/tools/"
-        printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\n' \
+        cp -r "$full"/tools/{llama-bench,batched-bench,server,mtmd} "$cut/tools/"
+        # llama-server without its web page: the UI's CMake files, not its sources
+        mkdir -p "$cut/tools/ui" "$cut/scripts"
+        cp "$full"/tools/ui/{CMakeLists.txt,ui.cpp.in,ui.h.in} "$cut/tools/ui/"
+        cp "$full"/scripts/ui-assets.cmake "$cut/scripts/"
+        rm -rf "$cut"/tools/server/{tests,bench}
+        printf '%s\n' 'find_package(Threads REQUIRED)' 'llama_add_compile_flags()' 'add_subdirectory(llama-bench)' \
+            'add_subdirectory(batched-bench)' 'add_subdirectory(mtmd)' 'add_subdirectory(ui)' 'add_subdirectory(server)' \
             > "$cut/tools/CMakeLists.txt"
         cp -r "$full"/ggml/{CMakeLists.txt,cmake,include} "$cut/ggml/"
         cp -r "$full"/ggml/src/{CMakeLists.txt,*.c,*.cpp,*.h,*.in,ggml-cpu,ggml-cuda,ggml-blas} "$cut/ggml/src/"
-        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > .whl/p1/llama.cpp.tar.xz
+        # with the last, smallest part: a call carries the repository and one part within 64 MiB
+        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > ".whl/p$((i - 1))/llama.cpp.tar.xz"
     fi
     rm -rf "$tmp"
     du -sh .whl/p*
@@ -112,11 +123,43 @@ bench() {
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 }
 
+wait_healthy() {  # url pid: until GET url/health is 200, or the server has died
+    for _ in $(seq 600); do
+        curl -sf "$1/health" > /dev/null && return 0
+        kill -0 "$2" 2> /dev/null || return 1
+        sleep 0.5
+    done
+    return 1
+}
+
+serve_bench() {  # each concurrency: our server, then llama-server, the same client and settings
+    mkdir -p "$out"
+    local clients pid url=http://127.0.0.1:8090 bin=$work/llama-build/bin
+    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    for clients in ${1//,/ }; do
+        log mlxllama serve, $clients clients
+        python3 -m mlxllama serve -m "$model" --port 8090 --max-batch "$clients" > "$out/mlxllama-serve-$clients.log" 2>&1 &
+        pid=$!
+        wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
+            --requests 4 --max-tokens 128 --warmup --label mlxllama --json "$out/serve-mlxllama-$clients.json"
+        kill $pid; wait $pid
+        [ -x "$bin/llama-server" ] || continue
+        log llama-server -np $clients
+        "$bin/llama-server" -m "$model" --port 8090 -np "$clients" -c $((clients * 512)) -ngl 99 -fa on --jinja \
+            > "$out/llama-server-$clients.log" 2>&1 &
+        pid=$!
+        wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
+            --requests 4 --max-tokens 128 --warmup --label llama-server --json "$out/serve-llama-server-$clients.json"
+        kill $pid; wait $pid
+    done
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
     install) install "$2" ;;
     test) shift; run_tests "$@" ;;
     bench) bench ;;
+    serve) serve_bench "${2:-1,8,16,32}" ;;
     *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

@@ -1,10 +1,12 @@
 """Throughput and latency of an OpenAI-compatible server under concurrent streaming clients.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080 [--clients 1,8,32] [--requests 4]
-        [--max-tokens 64] [--json OUT]
+        [--max-tokens 64] [--warmup] [--json OUT] [--label NAME]
 
 Each of C clients sends --requests streamed chat completions one after another (greedy, the same
-few questions in turn, `stream_options.include_usage`); C = each of --clients in turn. Reports, per
+few questions in turn, `stream_options.include_usage`); C = each of --clients in turn. Each client
+is a process of its own, started before the clock, so that the clients' own parsing (Python, one
+core each) does not cap what a fast server can deliver. Reports, per
 C: aggregate generated tokens/s (all completion tokens over the wall time), time to first token
 and inter-token latency (the gaps between streamed chunks), p50 and p95. It speaks only the
 OpenAI API, so it measures `mlxllama serve` and llama.cpp's `llama-server` alike.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import multiprocessing
 import statistics
 import time
 
@@ -43,14 +46,21 @@ def one_request(url: str, question: str, max_tokens: int) -> dict:
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens or len(arrivals)}
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    def client(number: int) -> list[dict]:
-        return [one_request(url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens) for i in range(requests)]
-
+def one_client(url: str, number: int, requests: int, max_tokens: int, ready) -> tuple[float, float, list[dict]]:
+    ready.wait()  # every client's process is up before any of them starts
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(client, range(clients)) for r in rs]
-    wall = time.perf_counter() - start
+    results = [one_request(url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens) for i in range(requests)]
+    return start, time.perf_counter(), results
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    with multiprocessing.Manager() as manager, concurrent.futures.ProcessPoolExecutor(clients) as pool:
+        ready = manager.Barrier(clients)
+        futures = [pool.submit(one_client, url, n, requests, max_tokens, ready) for n in range(clients)]
+        done = [f.result() for f in futures]
+    # perf_counter is the system's monotonic clock on Linux: comparable across the clients' processes.
+    wall = max(end for _, end, _ in done) - min(start for start, _, _ in done)
+    results = [r for _, _, rs in done for r in rs]
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
     return {"clients": clients, "requests": len(results), "seconds": wall,
@@ -72,10 +82,15 @@ def main():
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--warmup", action="store_true",
+                        help="one untimed request per client first (a GPU compiles kernels on first use)")
+    parser.add_argument("--label", default="", help="a name for the server in the output (--json)")
     args = parser.parse_args()
     rows = []
     print("clients  requests  tokens/s  TTFT p50/p95 ms  ITL p50/p95 ms")
     for clients in (int(c) for c in args.clients.split(",")):
+        if args.warmup:
+            run(args.url, clients, 1, args.max_tokens)
         row = run(args.url, clients, args.requests, args.max_tokens)
         rows.append(row)
         print(f"{clients:7d}  {row['requests']:8d}  {row['tokens_per_second']:8.1f}  "
@@ -83,7 +98,7 @@ def main():
               flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": args.url, "max_tokens": args.max_tokens, "runs": rows}, f, indent=1)
+            json.dump({"url": args.url, "label": args.label, "max_tokens": args.max_tokens, "runs": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,22 @@ import mlx.core as mx
 GROWTH_STEP = 256
 
 
-def causal_mask(length: int) -> str | None:
-    """Each new token sees every cached position and the new tokens up to itself.
+def causal_mask(length: int, offset: int = 0, window: int = 0) -> str | mx.array | None:
+    """Each new token sees every cached position and the new tokens up to itself; with a sliding
+    `window`, only the window - 1 positions before it (llama.cpp's and Hugging Face's convention).
 
     MLX's "causal" aligns the queries with the last keys, which is exactly that for any number
     of cached positions, and lets the fused attention skip the masked half.
     """
+    if window and offset + length > window:
+        return visible(offset + mx.arange(length)[:, None], mx.arange(offset + length)[None, :], window)
     return None if length == 1 else "causal"
+
+
+def visible(query_pos: mx.array, key_pos: mx.array, window: int) -> mx.array:
+    """Which keys each query attends to: its own position and before, within the window if any."""
+    seen = key_pos <= query_pos
+    return seen & (key_pos > query_pos - window) if window else seen
 
 
 def kv_bytes_per_position(config, dtype: mx.Dtype) -> int:
@@ -28,8 +37,8 @@ class KVCache:
         # Number of positions filled; also the RoPE position of the next token.
         self.offset = 0
 
-    def mask(self, length: int) -> str | None:
-        return causal_mask(length)
+    def mask(self, length: int, window: int = 0) -> str | mx.array | None:
+        return causal_mask(length, self.offset, window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
@@ -84,9 +93,8 @@ class SlotCache:
     def offset(self) -> mx.array:
         return self.position
 
-    def mask(self, length: int) -> mx.array:
-        query_pos = self.position + mx.arange(length)[:, None]
-        return mx.arange(self.keys.shape[2])[None, :] <= query_pos
+    def mask(self, length: int, window: int = 0) -> mx.array:
+        return visible(self.position + mx.arange(length)[:, None], mx.arange(self.keys.shape[2])[None, :], window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = self.position.reshape(1)
@@ -121,11 +129,12 @@ class BatchKVCache:
             self._offset = mx.array(self.lengths)
         return self._offset
 
-    def mask(self, length: int) -> mx.array:
-        """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to themselves."""
+    def mask(self, length: int, window: int = 0) -> mx.array:
+        """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
+        themselves (within the window, if any)."""
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
         key_pos = mx.arange(max(self.lengths) + length)
-        return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
+        return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""

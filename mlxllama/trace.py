@@ -100,13 +100,13 @@ def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]
     It repeats Block.__call__'s two residual additions to see what each adds; the tests check
     that its logits are the model's.
     """
-    h = model.token_embd(mx.array([list(ids)])).astype(mx.float32)
-    mask = cache[0].mask(len(ids))
+    h = model.embed(mx.array([list(ids)]))
+    masks = model.masks(len(ids), cache)
     pieces = {"embd": h[0]}
     for i, block in enumerate(model.blk):
-        attn = block.attention(block.attn_norm(h), mask, cache[i])
+        attn = block.attention_residual(h, masks[block.window], cache[i])
         h = h + attn
-        mlp = block.mlp(block.ffn_norm(h))
+        mlp = block.mlp_residual(h)
         h = h + mlp
         pieces.update({f"layer_{i:03d}_attn": attn[0], f"layer_{i:03d}_mlp": mlp[0], f"layer_{i:03d}_resid": h[0]})
     return model.head(h)[0], pieces

@@ -18,6 +18,8 @@ def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
     """The kernels' decode step for a model whose every projection keeps an affine weight
     (quantized_layers.NativeLinear) and whose shapes the kernels take, else None."""
     c = model.config
+    if not implemented(c):
+        return None
     layers = [layer for block in model.blk for layer in block.children().values() if not isinstance(layer, nn.RMSNorm)]
     head = model.token_embd if c.tied_output else model.output
     if not all(isinstance(layer, NativeLinear) for layer in layers + [head]):
@@ -27,6 +29,14 @@ def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
         return None
     device = device_limits()
     return KernelStep(model, fallback, *device) if device else None
+
+
+def implemented(c) -> bool:
+    """Whether the kernels compute this config's layer exactly: a Llama-style block (pre-norms,
+    SwiGLU, full attention with 1/sqrt(head size), plain embeddings and logits); Q/K norms, post
+    norms, GeGLU, sliding windows and the rest go to the plain MLX step."""
+    return (not c.qk_norm and not c.post_norms and c.ffn_activation == "silu" and c.embedding_scale == 1.0
+            and c.attention_scale is None and not c.final_logit_softcap and not c.sliding_window)
 
 
 __all__ = ["KernelStep", "kernel_step"]

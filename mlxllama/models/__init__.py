@@ -9,12 +9,14 @@ from ..errors import MlxLlamaError
 from ..gguf_file import GGUFFile
 from .architecture import Architecture
 from .config import Metadata, ModelConfig
+from .gemma3 import Gemma3
 from .llama import Llama
 from .phi3 import Phi3
 from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 from .transformer import Transformer
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (Llama(), Qwen2(), Phi3())}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (Llama(), Qwen2(), Qwen3(), Phi3(), Gemma3())}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -1,6 +1,6 @@
 """What sets one GGUF `general.architecture` apart from the others, and the defaults most share.
 
-A family is a subclass in its own file (llama.py, qwen2.py, phi3.py) registered in models/__init__.py:
+A family is a subclass in its own file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py) registered in models/__init__.py:
 its RoPE convention, the metadata it reads beyond the shared keys (config.py), the tensors it
 reads and the parameters they load into, and its model class. Code outside models/ asks the
 architecture or the model, never tests an architecture's name.
@@ -9,7 +9,7 @@ architecture or the model, never tests an architecture's name.
 from __future__ import annotations
 
 from ..gguf_file import GGUFFile
-from .config import ModelConfig, read_config
+from .config import Metadata, ModelConfig, read_config
 from .transformer import Transformer
 
 
@@ -24,6 +24,10 @@ class Architecture:
 
     def read_config(self, gguf: GGUFFile, context_length: int | None = None) -> ModelConfig:
         return read_config(gguf, self, context_length)
+
+    def specialize(self, config: ModelConfig, keys: Metadata) -> ModelConfig:
+        """The config with what this family reads beyond the shared keys (none by default)."""
+        return config
 
     def build(self, config: ModelConfig, compute_dtype) -> Transformer:
         """The model with its parameters still unloaded (weights.py loads them)."""
@@ -56,6 +60,12 @@ class Architecture:
             add(f"blk.{i}.attn_norm.weight", (hidden,))
             add(f"blk.{i}.attn_output.weight", (hidden, q_dim))
             add(f"blk.{i}.ffn_norm.weight", (hidden,))
+            if config.qk_norm:
+                add(f"blk.{i}.attn_q_norm.weight", (config.head_dim,))
+                add(f"blk.{i}.attn_k_norm.weight", (config.head_dim,))
+            if config.post_norms:
+                add(f"blk.{i}.attn_post_norm.weight", (hidden,))
+                add(f"blk.{i}.ffn_post_norm.weight", (hidden,))
             if config.fused_gate_up:
                 add(f"blk.{i}.ffn_up.weight", (2 * config.ffn_size, hidden), f"blk.{i}.ffn_gate_up.weight")
             else:

@@ -61,6 +61,29 @@ class ModelConfig:
     # FFN width (Phi-3); the model then holds them as the fused layers attn_qkv and ffn_gate_up.
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    # Per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3: attn_q_norm, attn_k_norm).
+    qk_norm: bool = False
+    # RMSNorm of the attention's and the FFN's outputs before each residual add (Gemma 3:
+    # attn_post_norm, ffn_post_norm).
+    post_norms: bool = False
+    # The gated FFN's activation: "silu" (SwiGLU) or "gelu" (GeGLU, GELU's tanh approximation).
+    ffn_activation: str = "silu"
+    # What the token embeddings are multiplied by (Gemma: sqrt(hidden_size)).
+    embedding_scale: float = 1.0
+    # Q's scale in attention; None: 1 / sqrt(head_dim).
+    attention_scale: float | None = None
+    # Logits soft-capped as cap * tanh(logits / cap) (0: not capped).
+    final_logit_softcap: float = 0.0
+    # Sliding-window attention (Gemma 3): a query in a sliding layer sees itself and the window - 1
+    # positions before it; sliding_layers[i] says whether layer i is one, whose RoPE base is
+    # rope_base_local (with no position scaling) instead of rope_base.
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    rope_base_local: float = 10000.0
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window; 0: it sees every earlier position."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
 
 class Metadata:
@@ -143,7 +166,10 @@ def read_config(gguf: GGUFFile, architecture: Architecture, context_length: int 
         attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         fused_qkv="blk.0.attn_qkv.weight" in tensors,
         fused_gate_up=architecture.fused_gate_up,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        post_norms="blk.0.attn_post_norm.weight" in tensors,
     )
+    config = architecture.specialize(config, keys)
     check_shapes(gguf, architecture, config)
     return config
 

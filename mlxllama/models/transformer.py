@@ -1,5 +1,5 @@
-"""The pre-norm decoder with SwiGLU that the supported architectures share (Llama 1/2/3, Mistral,
-Qwen2, Phi-3), and its decode step.
+"""The pre-norm decoder with a gated FFN that the supported architectures share (Llama 1/2/3,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), and its decode step.
 
 Module and parameter names mirror GGUF tensor names (`blk.0.attn_q.weight`), so the loader's
 weights load by name and a tensor can be followed from the file to the layer that uses it.
@@ -34,10 +34,12 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype, index: int = 0):
         super().__init__()
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
+        # Underscored: constants derived from the config, not weights to load.
+        self._window = config.window(index)
         self.attn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
         q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim
         # A file that fuses Q/K/V or gate/up (Phi-3) loads into the fused layer; fusion.py stacks
@@ -56,9 +58,27 @@ class Block(nn.Module):
             self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
             self.ffn_up = nn.Linear(hidden, config.ffn_size, bias=False)
         self.ffn_down = nn.Linear(config.ffn_size, hidden, bias=False)
-        # Underscored: constants derived from the config, not weights to load.
-        self._rope_freqs = rope_freqs(config)
+        if config.qk_norm:
+            self.attn_q_norm = RMSNorm(head_dim, config.rms_eps, compute_dtype)
+            self.attn_k_norm = RMSNorm(head_dim, config.rms_eps, compute_dtype)
+        if config.post_norms:
+            self.attn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+            self.ffn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+        # A sliding layer's RoPE: its own base, no position scaling and no per-pair factors.
+        local = self._window > 0
+        self._rope = dict(traditional=config.rope_traditional, scale=1.0 if local else config.rope_scale,
+                          base=config.rope_base_local if local else config.rope_base)
+        self._rope_freqs = None if local else rope_freqs(config)
+        if self._rope_freqs is not None:
+            self._rope["base"] = None  # MLX takes a base or the frequencies, not both
         self._rope_attn_scale = rope_attn_scale(config)
+        self._attention_scale = config.attention_scale or head_dim**-0.5
+        self._activation = nn.gelu_approx if config.ffn_activation == "gelu" else nn.silu
+
+    @property
+    def window(self) -> int:
+        """The attention window of this layer (0: every earlier position)."""
+        return self._window
 
     def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         c = self.config
@@ -68,34 +88,45 @@ class Block(nn.Module):
             q, k, v = mx.split(self.attn_qkv(x), [q_dim, q_dim + kv_dim], axis=-1)
         else:
             q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        q = q.reshape(batch, length, c.n_heads, c.head_dim).transpose(0, 2, 1, 3)
-        k = k.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        q = q.reshape(batch, length, c.n_heads, c.head_dim)
+        k = k.reshape(batch, length, c.n_kv_heads, c.head_dim)
+        if "attn_q_norm" in self:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
-        base = c.rope_base if self._rope_freqs is None else None  # MLX takes one or the other
-        rope = dict(traditional=c.rope_traditional, base=base, scale=c.rope_scale, offset=position, freqs=self._rope_freqs)
-        q = mx.fast.rope(q, c.rope_dim, **rope)
-        k = mx.fast.rope(k, c.rope_dim, **rope)
+        q = mx.fast.rope(q, c.rope_dim, offset=position, freqs=self._rope_freqs, **self._rope)
+        k = mx.fast.rope(k, c.rope_dim, offset=position, freqs=self._rope_freqs, **self._rope)
         if self._rope_attn_scale is not None:
             scale = self._rope_attn_scale.astype(q.dtype)
             q, k = q * scale, k * scale
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         # The fused kernel handles grouped-query attention (fewer KV heads) itself.
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=c.head_dim**-0.5, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
-        h = x + self.attention(self.attn_norm(x), mask, cache)
-        return h + self.mlp(self.ffn_norm(h))
+        h = x + self.attention_residual(x, mask, cache)
+        return h + self.mlp_residual(h)
+
+    def attention_residual(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        """What attention adds to the residual stream x."""
+        out = self.attention(self.attn_norm(x), mask, cache)
+        return self.attn_post_norm(out) if "attn_post_norm" in self else out
+
+    def mlp_residual(self, h: mx.array) -> mx.array:
+        """What the FFN adds to the residual stream h."""
+        out = self.mlp(self.ffn_norm(h))
+        return self.ffn_post_norm(out) if "ffn_post_norm" in self else out
 
     def mlp(self, x: mx.array) -> mx.array:
         if "ffn_gate_up" in self:
             gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
-        return self.ffn_down(nn.silu(gate) * up)
+        return self.ffn_down(self._activation(gate) * up)
 
 
 class Transformer(nn.Module):
@@ -104,7 +135,7 @@ class Transformer(nn.Module):
         self.config = config
         self.compute_dtype = compute_dtype
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blk = [Block(config, compute_dtype) for _ in range(config.n_layers)]
+        self.blk = [Block(config, compute_dtype, i) for i in range(config.n_layers)]
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -129,11 +160,26 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
-        h = self.token_embd(tokens).astype(mx.float32)
-        mask = cache[0].mask(tokens.shape[1]) if cache else causal_mask(tokens.shape[1])
+        h = self.embed(tokens)
+        masks = self.masks(tokens.shape[1], cache)
         for i, block in enumerate(self.blk):
-            h = block(h, mask, cache[i] if cache else None)
+            h = block(h, masks[block.window], cache[i] if cache else None)
         return h
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """tokens [batch, length] -> the residual stream's start [batch, length, hidden] (float32)."""
+        h = self.token_embd(tokens).astype(mx.float32)
+        return h * self.config.embedding_scale if self.config.embedding_scale != 1.0 else h
+
+    def masks(self, length: int, cache=None) -> dict[int, object]:
+        """The attention mask of `length` new tokens for each window the layers use (0: none),
+        from the cache of the first layer with that window."""
+        masks = {}
+        for i, block in enumerate(self.blk):
+            if block.window not in masks:
+                masks[block.window] = cache[i].mask(length, block.window) if cache else causal_mask(
+                    length, 0, block.window)
+        return masks
 
     def step(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab]
@@ -143,8 +189,9 @@ class Transformer(nn.Module):
     def head(self, h: mx.array) -> mx.array:
         """The last layer's hidden states -> logits (float32)."""
         h = self.output_norm(h)
-        logits = self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)
-        return logits.astype(mx.float32)
+        logits = (self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)).astype(mx.float32)
+        cap = self.config.final_logit_softcap
+        return cap * mx.tanh(logits / cap) if cap else logits
 
 
 class DecodeStep(Protocol):

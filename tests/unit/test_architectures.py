@@ -12,7 +12,7 @@ import mlxllama
 from mlxllama import tensors as tensor_conversion
 from mlxllama.errors import MlxLlamaError
 from mlxllama.gguf_file import open_gguf, tensor_shape
-from mlxllama.models import ARCHITECTURES, architecture_of, llama, phi3, qwen2
+from mlxllama.models import ARCHITECTURES, architecture_of, gemma3, llama, phi3, qwen2, qwen3
 from mlxllama.quantized_layers import NativeLinear
 
 from conftest import PACKAGE_DATA, find_fixture_model
@@ -23,9 +23,10 @@ ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_
 
 def test_registry_maps_each_gguf_architecture_to_its_family_file():
     assert {name: type(arch) for name, arch in ARCHITECTURES.items()} == {
-        "llama": llama.Llama, "qwen2": qwen2.Qwen2, "phi3": phi3.Phi3}
+        "llama": llama.Llama, "qwen2": qwen2.Qwen2, "qwen3": qwen3.Qwen3, "phi3": phi3.Phi3, "gemma3": gemma3.Gemma3}
     # The RoPE convention comes from the family: llama.cpp permutes Q/K of `llama` only.
-    assert [ARCHITECTURES[n].rope_traditional for n in ("llama", "qwen2", "phi3")] == [True, False, False]
+    assert [ARCHITECTURES[n].rope_traditional for n in ("llama", "qwen2", "qwen3", "phi3", "gemma3")] == [
+        True, False, False, False, False]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
