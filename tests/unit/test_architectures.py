@@ -48,7 +48,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(MlxLlamaError, match=r"unsupported architecture 'gemma9' \(supported: llama, qwen2, phi3\)$"):
+    with pytest.raises(MlxLlamaError, match=r"unsupported architecture 'gemma9' \(supported: llama, qwen2, qwen3, phi3, gemma3\)$"):
         mlxllama.load(path)
 
 
