@@ -26,6 +26,8 @@ work=${GPU_WORK:-/tmp/mlxllama-gpu}
 out=${OUT:-$work/out}
 model=$work/tinyllama-1.1b-Q4_K_M.gguf
 export PYTHONUNBUFFERED=1 PYTHONPATH=$work/site:$PWD
+# pyproject.toml installs templates/ as mlxllama.templates; a checkout on PYTHONPATH needs the link
+[ -e mlxllama/templates ] || ln -s ../templates mlxllama/templates
 log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 
 payload() {
@@ -152,6 +154,8 @@ serve_bench() {  # each concurrency: our server, then llama-server, the same cli
             --requests 4 --max-tokens 128 --warmup --label llama-server --json "$out/serve-llama-server-$clients.json"
         kill $pid; wait $pid
     done
+    python3 -c "import glob, json, os; runs = [json.load(open(f)) for f in sorted(glob.glob('$out/serve-*.json'))]
+json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in glob.glob('$out/serve-*.json')]"
 }
 
 case ${1:-} in

@@ -87,7 +87,8 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
 
     Quantized matrices stay quantized (native mode, weights.py); `dequantize` expands every weight
     to `dtype` instead, the simple mode to compare against. The decode step is chosen here, once:
-    on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda.
+    on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every
+    model prefills with explicit attention (Transformer.attend_prefill_explicitly).
     """
     start = time.perf_counter()
     gguf = open_gguf(path)
@@ -100,6 +101,8 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
 
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        model.attend_prefill_explicitly()
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 

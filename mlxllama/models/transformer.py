@@ -64,16 +64,17 @@ class Block(nn.Module):
         if config.post_norms:
             self.attn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
             self.ffn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
-        # A sliding layer's RoPE: its own base, no position scaling and no per-pair factors.
+        # A sliding layer's RoPE: its own base, no position scaling and no per-pair factors. (Plain
+        # numbers: a dict here would be taken for a child module.)
         local = self._window > 0
-        self._rope = dict(traditional=config.rope_traditional, scale=1.0 if local else config.rope_scale,
-                          base=config.rope_base_local if local else config.rope_base)
         self._rope_freqs = None if local else rope_freqs(config)
-        if self._rope_freqs is not None:
-            self._rope["base"] = None  # MLX takes a base or the frequencies, not both
+        self._rope_base = config.rope_base_local if local else config.rope_base
+        self._rope_scale = 1.0 if local else config.rope_scale
         self._rope_attn_scale = rope_attn_scale(config)
         self._attention_scale = config.attention_scale or head_dim**-0.5
         self._activation = nn.gelu_approx if config.ffn_activation == "gelu" else nn.silu
+        # Transformer.attend_prefill_explicitly sets this (runtime.load, on CUDA).
+        self._explicit_prefill = False
 
     @property
     def window(self) -> int:
@@ -96,15 +97,19 @@ class Block(nn.Module):
         v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
-        q = mx.fast.rope(q, c.rope_dim, offset=position, freqs=self._rope_freqs, **self._rope)
-        k = mx.fast.rope(k, c.rope_dim, offset=position, freqs=self._rope_freqs, **self._rope)
+        base = self._rope_base if self._rope_freqs is None else None  # MLX takes one or the other
+        rope = dict(traditional=c.rope_traditional, base=base, scale=self._rope_scale, offset=position, freqs=self._rope_freqs)
+        q = mx.fast.rope(q, c.rope_dim, **rope)
+        k = mx.fast.rope(k, c.rope_dim, **rope)
         if self._rope_attn_scale is not None:
             scale = self._rope_attn_scale.astype(q.dtype)
             q, k = q * scale, k * scale
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        # The fused kernel handles grouped-query attention (fewer KV heads) itself.
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
+        if self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
+            out = explicit_attention(q, k, v, self._attention_scale, mask)
+        else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
@@ -142,6 +147,13 @@ class Transformer(nn.Module):
         # What serves `step`: the compiled MLX step below, unless runtime.load chose a backend's own
         # (mlxllama.cuda's kernels), which hands what it does not take back to this one.
         self.decode_step: DecodeStep = CompiledStep(self)
+
+    def attend_prefill_explicitly(self) -> None:
+        """Prefill attention by matrix products and a softmax instead of MLX's fused kernel, whose
+        CUDA build compiles anew for every (new tokens, cached tokens) shape: 40-150 ms a shape on
+        an H100, paid by nearly every request a server sees (docs/benchmarks.md)."""
+        for block in self.blk:
+            block._explicit_prefill = True
 
     def make_cache(self) -> list[KVCache]:
         """A fresh cache for one sequence, one entry a layer."""
@@ -192,6 +204,32 @@ class Transformer(nn.Module):
         logits = (self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)).astype(mx.float32)
         cap = self.config.final_logit_softcap
         return cap * mx.tanh(logits / cap) if cap else logits
+
+
+# Past this many keys the fused kernel's one compile is cheap next to the prefill it serves, and an
+# explicit product's scores ([heads, new tokens, keys] float32) would take too much memory.
+EXPLICIT_PREFILL_MAX_KEYS = 4096
+
+
+def explicit_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """Softmax attention as matrix products: q [batch, heads, length, head_dim] against k and v
+    [batch, kv_heads, keys, head_dim]; `mask` as the fused kernel takes it (None, "causal", or
+    booleans broadcasting to [batch, heads, length, keys]). Scores and softmax in float32."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
+    q = q.reshape(batch, kv_heads, groups, length, head_dim).astype(mx.float32) * scale
+    scores = q @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+        mask = mx.arange(keys)[None, :] <= (keys - length + mx.arange(length))[:, None]
+    if mask is not None:
+        if mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
+            mask = mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
+                mask.shape[0], kv_heads, groups, length, keys)
+        scores = mx.where(mask, scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
+    return (weights @ v[:, :, None]).reshape(batch, heads, length, head_dim)
 
 
 class DecodeStep(Protocol):

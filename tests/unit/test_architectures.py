@@ -96,3 +96,35 @@ print([m for m in sys.modules if m.startswith("mlxllama.cuda")], [p for p in ope
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] [] []"
+
+
+@pytest.mark.parametrize("name", ["chat-tiny-Q4_K_M.gguf", "qwen2-tiny-Q8_0.gguf", "phi3-tiny-Q5_K_M.gguf"])
+def test_explicit_prefill_attention_gives_the_fused_kernels_logits(name):
+    """What CUDA prefills with (matrix products and a softmax) against MLX's fused attention, on a
+    fresh prompt and on a prompt after cached tokens."""
+    import mlx.core as mx
+
+    runtime = mlxllama.load(find_fixture_model(name))
+    model, ids = runtime.model, runtime.tokenize("The capital of Italy is Rome. The capital of Japan is Tokyo.")
+
+    def runs():
+        cache = model.make_cache()
+        first = model(mx.array([ids[:9]]), cache)
+        later = model(mx.array([ids[9:]]), cache)
+        return [np.array(x) for x in (first, later)]
+
+    fused = runs()
+    model.attend_prefill_explicitly()
+    explicit = runs()
+    for a, b in zip(fused, explicit):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
+def test_a_blocks_children_are_all_layers(family):
+    """The CUDA kernels take a model whose blocks hold norms and projections only: a container
+    attribute (a dict of RoPE settings, say) is taken for a child and turned them off once."""
+    import mlx.nn as nn
+
+    block = mlxllama.load(find_fixture_model(FAMILY_FIXTURES[family])).model.blk[0]
+    assert block.children() and all(isinstance(child, nn.Module) for child in block.children().values())
