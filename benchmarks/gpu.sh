@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu.sh payload [--llama-cpp]  # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
 #                                                 # gguf, starlette and uvicorn wheels (the rest is
-#                                                 # in the machine's image), xz-compressed and split in parts of 16 MB, so that
+#                                                 # in the machine's image), xz-compressed and split in parts of 10 MB, so that
 #                                                 # each call carries one part beside the repository (64 MiB a call);
 #                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's) to
 #                                                 # the last part
@@ -32,7 +32,7 @@ log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 
 payload() {
     set -e
-    local tmp part=16000000
+    local tmp part=10000000
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$tmp/dl" \

@@ -163,12 +163,14 @@ class BatchDecoder:
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
         if row.finished:
             return row
+        # A joining row's cache keeps every position in its slot, as the batch's rows do (a sliding
+        # layer's too: the batch masks what lies outside its window).
         entry, cached = self.prompt_cache.lookup(request.ids) if self.prompt_cache else (None, 0)
         if entry is not None:
             self.joining.append(Joining(row, self.prompt_cache.restore(entry, cached, self.model), cached))
             row.cached_tokens = cached
         else:
-            self.joining.append(Joining(row, self.model.make_cache()))
+            self.joining.append(Joining(row, self.model.make_cache(bounded=False)))
         return row
 
     def prefill_chunk(self) -> Row | None:

@@ -1,4 +1,10 @@
-"""Per-layer key/value cache that grows in fixed steps, so a decode step never copies the whole cache."""
+"""Per-layer key/value caches.
+
+KVCache grows in fixed steps, so a decode step never copies the whole cache; SlidingKVCache keeps
+only what a sliding-window layer can still attend to, so its memory stays bounded however long
+the sequence; BatchKVCache holds rows of different lengths for batched decoding; SlotCache is a
+KVCache's buffers inside the compiled decode step.
+"""
 
 from __future__ import annotations
 
@@ -73,9 +79,87 @@ class KVCache:
         """Forget the last n positions (the storage is kept and overwritten later)."""
         self.offset = max(0, self.offset - n)
 
+    def holds(self, length: int) -> bool:
+        """Whether cutting the cache to its first `length` positions leaves all a later query needs."""
+        return length <= self.offset
+
+    @property
+    def start(self) -> int:
+        """The position held in the buffer's first slot."""
+        return 0
+
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
+
+
+class SlidingKVCache(KVCache):
+    """A sliding-window layer's keys and values: only what a later query can still see.
+
+    A query at position p sees p - window + 1 .. p, so between steps only the last window - 1
+    positions are needed. The buffer keeps those and room for GROWTH_STEP more, so that it is
+    rewritten (the kept positions moved to its front) once every GROWTH_STEP tokens rather than at
+    every one; `start` is the position in its first slot. Memory: at most window - 1 + the tokens
+    of one call + GROWTH_STEP positions.
+    """
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+        self._start = 0
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    def holds(self, length: int) -> bool:
+        return length <= self.offset and self._start <= max(0, length - (self.window - 1))
+
+    def _start_after(self, new: int) -> int:
+        """The position in the first slot once `new` more positions are appended."""
+        if self.keys is None or self.offset - self._start + new <= self.keys.shape[2]:
+            return self._start
+        return max(self._start, self.offset - (self.window - 1))
+
+    def mask(self, length: int, window: int = 0) -> str | mx.array | None:
+        start = self._start_after(length)
+        if self.offset - start < self.window and self.offset + length - start <= self.window:
+            return causal_mask(length)  # every query sees every key it is not ahead of
+        query_pos = self.offset + mx.arange(length)[:, None]
+        return visible(query_pos, start + mx.arange(self.offset + length - start)[None, :], self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        new = keys.shape[2]
+        start = self._start_after(new)
+        if self.keys is None or start != self._start:
+            self._rebuild(start, keys, values, new)
+        slot = self.offset - self._start
+        self.keys[..., slot : slot + new, :] = keys
+        self.values[..., slot : slot + new, :] = values
+        self.offset += new
+        end = self.offset - self._start
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _rebuild(self, start: int, keys: mx.array, values: mx.array, new: int) -> None:
+        """A buffer holding positions start .. offset - 1 of the old one and room for `new` + GROWTH_STEP more."""
+        batch, heads, _, head_dim = keys.shape
+        kept = self.offset - start
+        capacity = kept + new + GROWTH_STEP
+        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
+        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None and kept:
+            first = start - self._start
+            grown_k[..., :kept, :] = self.keys[..., first : first + kept, :]
+            grown_v[..., :kept, :] = self.values[..., first : first + kept, :]
+        self.keys, self.values, self._start = grown_k, grown_v, start
+
+    def trim(self, n: int) -> None:
+        """Forget the last n positions; the caller checks holds() first where it matters."""
+        self.offset = max(self._start, self.offset - n)
+
+    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+        """Hold positions start .. length - 1, given as buffers whose slot 0 is `start`."""
+        self.keys, self.values, self._start, self.offset = keys, values, start, length
 
 
 class SlotCache:
@@ -103,8 +187,10 @@ class SlotCache:
         return self.keys, self.values
 
 
-def make_cache(n_layers: int) -> list[KVCache]:
-    return [KVCache() for _ in range(n_layers)]
+def make_cache(windows: list[int], bounded: bool = True) -> list[KVCache]:
+    """One cache a layer: a SlidingKVCache for a layer with a window (unless `bounded` is False:
+    batching needs every position in its slot), else a KVCache."""
+    return [SlidingKVCache(w) if w and bounded else KVCache() for w in windows]
 
 
 class BatchKVCache:

@@ -10,7 +10,7 @@ from typing import Any
 from .chat_template import match_builtin
 from .errors import MlxLlamaError
 from .gguf_file import open_gguf, tensor_shape
-from .models import SUPPORTED_ARCHITECTURES
+from .models import ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from .tokenizer import Tokenizer
 
 _TOKENIZER_KINDS = {"llama": "SentencePiece", "gpt2": "byte-level BPE"}
@@ -32,6 +32,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         "context_length": meta.get(f"{arch}.context_length"),
         "rope_scaling": _rope_scaling_info(meta, arch),
         "layers": meta.get(f"{arch}.block_count"),
+        "attention": _attention_info(gguf, arch),
         "tokenizer": _tokenizer_info(meta),
         "chat_template": None if template is None else {"builtin": match_builtin(template), "chars": len(template)},
         "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in tensors).items())),
@@ -39,6 +40,21 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         "file_bytes": os.path.getsize(gguf.path),
         "tensor_bytes": sum(int(t.n_bytes) for t in tensors),
     }
+
+
+def _attention_info(gguf, arch: str | None) -> dict[str, Any] | None:
+    """Heads, head size, Q/K norms and sliding windows as the model would be built (no weights
+    read); None for an architecture we do not run or a file whose config is wrong (load says why)."""
+    if arch not in ARCHITECTURES:
+        return None
+    try:
+        c = ARCHITECTURES[arch].read_config(gguf)
+    except MlxLlamaError:
+        return None
+    return {"heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "qk_norm": c.qk_norm,
+            "sliding_window": c.sliding_window or None,
+            "sliding_layers": sum(c.sliding_layers) if c.sliding_window else 0,
+            "global_layers": [i for i, s in enumerate(c.sliding_layers) if not s] if c.sliding_window else None}
 
 
 def _rope_scaling_info(meta: dict, arch: str | None) -> dict[str, Any] | None:
@@ -92,6 +108,13 @@ def format_text(info: dict[str, Any]) -> str:
             parts.append(f"original context length {rope['original_context_length']}")
         lines.append(("rope scaling", ", ".join(parts)))
     lines.append(("layers", info["layers"]))
+    attention = info["attention"]
+    if attention is not None:
+        norms = ", Q/K norms" if attention["qk_norm"] else ""
+        lines.append(("attention", f"{attention['heads']} heads ({attention['kv_heads']} KV) of {attention['head_dim']}{norms}"))
+        if attention["sliding_window"]:
+            lines.append(("sliding window", f"{attention['sliding_window']} on {attention['sliding_layers']} of"
+                          f" {info['layers']} layers (global: {', '.join(map(str, attention['global_layers']))})"))
     tok = info["tokenizer"]
     if tok is None:
         lines.append(("tokenizer", "none"))

@@ -16,16 +16,25 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import KVCache, SlidingKVCache
 
 
 @dataclass
 class Entry:
     ids: tuple[int, ...]
-    # keys, values [1, kv_heads, >= len(ids), head_dim] a layer; positions past len(ids) are unused
+    # keys, values [1, kv_heads, slots, head_dim] a layer, slot 0 holding position starts[i] (0 but
+    # for a sliding-window layer's cache, which keeps only its window); later slots are unused
     layers: list[tuple[mx.array, mx.array]]
     nbytes: int
     used: int = field(default=0)
+    starts: tuple[int, ...] = ()
+    windows: tuple[int, ...] = ()
+
+    def holds(self, length: int, bounded: bool) -> bool:
+        """Whether its first `length` positions can be restored into a cache (bounded: sliding
+        layers keep their window only) with everything a later query needs."""
+        return all(start == 0 or (bounded and start <= length - (window - 1))
+                   for start, window in zip(self.starts, self.windows))
 
 
 class PromptCache:
@@ -38,24 +47,23 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def lookup(self, ids: Sequence[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `ids`, and that prefix's length, at most
-        len(ids) - 1 (the last prompt token is always fed, for the logits of the reply)."""
+    def lookup(self, ids: Sequence[int], bounded: bool = False) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `ids` that it can restore (see Entry.holds),
+        and that prefix's length, at most len(ids) - 1 (the last prompt token is always fed, for
+        the logits of the reply)."""
         best, length = None, 0
         for entry in self.entries:
             n = _common_prefix(entry.ids, ids, len(ids) - 1)
-            if n > length:
+            if n > length and entry.holds(n, bounded):
                 best, length = entry, n
         if best is not None:
             best.used = next(self._clock)
         return best, length
 
-    def restore(self, entry: Entry, length: int, model) -> list[KVCache]:
-        """A fresh cache holding the entry's first `length` positions."""
-        cache = model.make_cache()
-        for layer, (keys, values) in zip(cache, entry.layers):
-            layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
-            layer.offset = length
+    def restore(self, entry: Entry, length: int, model, bounded: bool = False) -> list[KVCache]:
+        """A fresh cache holding the entry's first `length` positions (the entry is left as it is)."""
+        cache = model.make_cache(bounded)
+        _fill(cache, entry, length, lambda a, end: a[..., :end, :])
         return cache
 
     def store(self, ids: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> None:
@@ -70,30 +78,42 @@ class PromptCache:
         """A cache to continue `ids` from: the entry sharing the longest prefix with them, taken
         out of the store (the caller owns its buffers now) and cut to that prefix, or a fresh cache;
         and how many of `ids` it holds."""
-        entry, length = self.lookup(ids)
+        entry, length = self.lookup(ids, bounded=True)
         cache = model.make_cache()
         if entry is None:
             return cache, 0
         self.entries.remove(entry)
-        for layer, (keys, values) in zip(cache, entry.layers):
-            layer.keys, layer.values, layer.offset = keys, values, length
+        _fill(cache, entry, length, lambda a, end: a)
         return cache, length
 
     def put(self, ids: Sequence[int], cache: Sequence[KVCache]) -> None:
         """Keep a cache its owner is done with for now, as it is (no copy), holding the first
         `cache[0].offset` of `ids`."""
-        self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache])
+        self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache],
+                  tuple(layer.start for layer in cache), tuple(getattr(layer, "window", 0) for layer in cache))
 
-    def _add(self, ids: tuple[int, ...], layers: list[tuple[mx.array, mx.array]]) -> None:
+    def _add(self, ids: tuple[int, ...], layers: list[tuple[mx.array, mx.array]], starts: tuple[int, ...] = (),
+             windows: tuple[int, ...] = ()) -> None:
         """A new entry, replacing those whose ids it extends; then the least recently used go
         while the store is over its bound."""
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if not ids or nbytes > self.max_bytes:
             return
         self.entries = [e for e in self.entries if e.ids != ids[: len(e.ids)]]
-        self.entries.append(Entry(ids, layers, nbytes, next(self._clock)))
+        self.entries.append(Entry(ids, layers, nbytes, next(self._clock), starts or (0,) * len(layers),
+                                  windows or (0,) * len(layers)))
         while self.nbytes > self.max_bytes:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
+
+
+def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
+    """Give each layer of a fresh cache the entry's positions up to `length` (cut(buffer, slots) gives
+    the buffer a layer takes: a view of the entry's, or the entry's own)."""
+    for layer, (keys, values), start in zip(cache, entry.layers, entry.starts):
+        if isinstance(layer, SlidingKVCache):
+            layer.restore(cut(keys, length - start), cut(values, length - start), start, length)
+        else:
+            layer.keys, layer.values, layer.offset = cut(keys, length), cut(values, length), length
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:

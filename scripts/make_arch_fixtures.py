@@ -1,4 +1,4 @@
-"""Make the small Llama 3, Qwen2, Phi-3 and Mistral fixtures and record llama.cpp's logits for them.
+"""Make the small Llama 3, Qwen2, Qwen3, Phi-3, Mistral and Gemma 3 fixtures and record llama.cpp's logits for them.
 
 Each fixture is a Hugging Face `transformers` model built from a config with random weights and a
 real tokenizer cut down to its first few thousand pieces (Llama 3's and Qwen2's byte-level BPE,
@@ -22,6 +22,16 @@ what a reference holds, and PROMPTS below for the prompts), recorded with llama.
 A fixture with `contexts` also gets PASSAGE recorded at each of those n_ctx, under `ctx<n_ctx>/`:
 Phi-3's LongRoPE factors depend on it. `--only NAME` (repeatable) limits either step to some fixtures,
 so that adding one leaves the others' files untouched.
+
+Every reference also holds LONG (LONG_TOKENS tokens or more) under `long/`, recorded with llama.cpp's
+n_ctx at LONG_CONTEXT and kept at every LONG_STRIDE-th position only (the logits of all of them
+would weigh megabytes): `python scripts/make_arch_fixtures.py long` adds it to the references
+there are, from the fixtures as they are, without converting or quantizing anything again.
+
+Qwen3 and Gemma 3 normalize Q and K per head, so scaling their Q/K weights would not make attention
+peaked; their Q/K norm weights are set large instead (QK_NORM_GAIN), so that a wrong window,
+RoPE base or mask changes the logits well past the tests' bars. Not larger: llama.cpp keeps K and V
+in float16, and with scores of ~50 (a gain of 4) that rounding alone moved its logits by a KL of 2e-3.
 """
 
 from __future__ import annotations
@@ -40,6 +50,10 @@ SEED = 1234
 # Normal tokens kept from each vocabulary: the byte alphabet and the commonest merges.
 KEPT_TOKENS = 3000
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# Gemma 3's pattern is five sliding layers, then a global one: six layers hold one of each kind.
+GEMMA3_LAYERS, GEMMA3_WINDOW = 6, 32
+QK_NORM_GAIN = 2.0
+LONG_TOKENS, LONG_CONTEXT, LONG_STRIDE = 4096, 8192, 64
 # Large enough that the logits are peaked (clear argmaxes to compare), small enough to stay finite.
 INIT_STD = 0.06
 
@@ -71,6 +85,19 @@ FIXTURE_SPECS = {
     # Q4_K_M: the mix most published Mistral GGUFs use, and one the other fixtures do not cover.
     "mistral-tiny-Q4_K_M": dict(
         vocab="llama-spm", template="mistral", ftype="Q4_K_M", specials=[], bos="<s>", eos="</s>"),
+    # Qwen3: Q/K norms, a head size (128) other than hidden / heads (64), theta 1e6, tied output, and
+    # Qwen3-0.6B's own template (enable_thinking) from the shared templates.
+    "qwen3-tiny-Q4_K_M": dict(
+        vocab="qwen2", template="shared:Qwen-Qwen3-0.6B", ftype="Q4_K_M",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], bos=None,
+        eos="<|im_end|>", exact_reference=True),
+    # Gemma 3: six layers, five sliding over a window of 32 positions (shorter than the prompts) with
+    # RoPE base 10,000, one global with 1e6; 4 query heads and 1 KV head of 64; GeGLU; post norms.
+    # Gemma's own vocabulary is not among the shared files: Llama 2's SentencePiece stands in, which
+    # the converter marks as Gemma's (no space prefix).
+    "gemma3-tiny-Q8_0": dict(
+        vocab="llama-spm", template="gemma", ftype="Q8_0", specials=["<start_of_turn>", "<end_of_turn>"],
+        bos="<s>", eos="</s>", exact_reference=True),
 }
 # Vocabularies built as a SentencePiece tokenizer.model; the others as a byte-level BPE tokenizer.json.
 SPM_VOCABS = ("phi-3", "llama-spm")
@@ -92,6 +119,11 @@ PROMPTS = {
     },
 }
 PROMPTS["phi3-longrope-tiny-Q8_0"] = PROMPTS["phi3-tiny-Q5_K_M"]
+PROMPTS["qwen3-tiny-Q4_K_M"] = PROMPTS["qwen2-tiny-Q8_0"]
+PROMPTS["gemma3-tiny-Q8_0"] = {
+    "chat": f"<start_of_turn>user\n{QUESTION}<end_of_turn>\n<start_of_turn>model\n",  # llama.cpp adds the BOS
+    "plain": PLAIN,
+}
 PROMPTS["mistral-tiny-Q4_K_M"] = {
     "chat": f"[INST] {QUESTION} [/INST]",  # llama.cpp adds the BOS
     "plain": PLAIN,
@@ -105,8 +137,18 @@ PASSAGE = ("The old harbour town wakes before the sun. Fishing boats come back w
            "west, the ferries stop for days at a time, and the people who stay mend nets, paint boats and wait "
            "for spring.")
 
+# The passage and the capital questions in turn, to LONG_TOKENS tokens and more in every vocabulary here.
+LONG = " ".join([PASSAGE, PLAIN] * 17)
+
 
 # ---- convert (torch, transformers, llama.cpp's converter) ----------------------------------------
+
+def chat_template(spec: dict) -> str:
+    name = spec["template"]
+    if name.startswith("shared:"):
+        return (ROOT.parent / "shared" / "fixtures" / "templates" / f"{name[7:]}.jinja").read_text()
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
 
 def read_vocab(name: str) -> dict:
     from gguf import GGUFReader
@@ -145,7 +187,7 @@ def bpe_tokenizer(spec: dict, out: Path) -> int:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": spec["bos"],
         "eos_token": spec["eos"],
-        "chat_template": (TEMPLATES / f"{spec['template']}.jinja").read_text(),
+        "chat_template": chat_template(spec),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
     return len(kept) + len(spec["specials"])
@@ -172,7 +214,7 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
     (out / "tokenizer.model").write_bytes(proto.SerializeToString())
     original_type = {t: types[i] for i, t in enumerate(tokens)}
     added = {
-        str(KEPT_TOKENS + i): {"content": t, "special": original_type[t] == 3, "normalized": False,
+        str(KEPT_TOKENS + i): {"content": t, "special": original_type.get(t, 3) == 3, "normalized": False,
                                "lstrip": False, "rstrip": False, "single_word": False}
         for i, t in enumerate(spec["specials"])
     }
@@ -182,7 +224,7 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
         "eos_token": spec["eos"],
         "unk_token": "<unk>",
         "added_tokens_decoder": added,
-        "chat_template": (TEMPLATES / f"{spec['template']}.jinja").read_text(),
+        "chat_template": chat_template(spec),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
     return KEPT_TOKENS + len(spec["specials"])
@@ -190,8 +232,9 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
 
 def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(SHAPE, vocab_size=vocab_size, initializer_range=INIT_STD, **token_ids)
     if name.startswith("llama3"):
@@ -205,6 +248,18 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
         config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(config)
+    elif name.startswith("qwen3"):
+        config = Qwen3Config(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        model = Qwen3ForCausalLM(config)
+    elif name.startswith("gemma3"):
+        shape = dict(common, num_hidden_layers=GEMMA3_LAYERS, num_key_value_heads=1)
+        config = Gemma3TextConfig(
+            **shape, head_dim=64, query_pre_attn_scalar=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            max_position_embeddings=32768, sliding_window=GEMMA3_WINDOW, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        model = Gemma3ForCausalLM(config)
     elif name.startswith("mistral"):
         # Mistral 7B v0.2/v0.3: theta 1e6 and no sliding window (v0.1's 4096 window is gone).
         config = MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=32768,
@@ -223,13 +278,17 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
                                              "long_factor": long, "original_max_position_embeddings": original})
         model = Phi3ForCausalLM(config)
-    # transformers starts biases at 0 and norms at 1, which would leave them untested.
+    # transformers starts biases at 0 and norms at 1, which would leave them untested. Gemma's norms
+    # multiply by 1 + weight.
+    shift = 1.0 if name.startswith("gemma") else 0.0
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias"):
                 param.normal_(0.0, 0.5)
+            elif "q_norm" in pname or "k_norm" in pname:
+                param.copy_(QK_NORM_GAIN - shift + 0.2 * torch.randn_like(param))
             elif "norm" in pname:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_(1.0 - shift + 0.2 * torch.randn_like(param))
     return model
 
 
@@ -279,13 +338,65 @@ def quantize(args) -> None:
         params.nthread = 2
         if llama_cpp.llama_model_quantize(str(work / f"{name}-F32.gguf").encode(), str(target).encode(), params) != 0:
             raise SystemExit(f"quantizing {name} failed")
-        record = reference(target, PROMPTS[name])
+        # llama.cpp's quantized path rounds activations to 8 bits: with attention as peaked as these
+        # fixtures' that alone moved its logits by a mean KL of 1e-3 to 3e-3, while on a float32 copy
+        # of the same dequantized weights it agrees with us to 1e-5. The newer fixtures' references
+        # are llama.cpp on that copy: the exact answer for the file's weights.
+        source = dequantized_copy(target, work) if spec.get("exact_reference") else target
+        record = reference(source, PROMPTS[name])
         for prompt, text in PROMPTS[name].items():
             record[f"{prompt}/text"] = np.array(text)
         for n_ctx in spec.get("contexts", ()):
             record.update({f"ctx{n_ctx}/{k}": v for k, v in reference(target, {"passage": PASSAGE}, n_ctx).items()})
+        record.update(long_record(source))
         np.savez_compressed(REFERENCES / f"{name}.npz", **record)
         print(name, target.stat().st_size, {k: record[k].tolist() for k in record if k.endswith("greedy")})
+
+
+def dequantized_copy(target: Path, work: Path) -> Path:
+    """The quantized file with every tensor dequantized to float32, by llama.cpp's quantizer."""
+    import llama_cpp
+
+    copy = work / f"{target.stem}-dequantized-F32.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, 2
+    if llama_cpp.llama_model_quantize(str(target).encode(), str(copy).encode(), params) != 0:
+        raise SystemExit(f"dequantizing {target.name} failed")
+    return copy
+
+
+def long_record(target: Path) -> dict:
+    """LONG's record at LONG_CONTEXT, at every LONG_STRIDE-th position and the last."""
+    import numpy as np
+    from make_llama_reference import reference
+
+    record = reference(target, {"long": LONG}, LONG_CONTEXT)
+    ids = record["long/ids"]
+    if len(ids) < LONG_TOKENS:
+        raise SystemExit(f"{target.name}: LONG is only {len(ids)} tokens")
+    kept = np.unique(np.append(np.arange(0, len(ids), LONG_STRIDE), len(ids) - 1))
+    for key in ("top_ids", "top_logits", "logsumexp"):
+        record[f"long/{key}"] = record[f"long/{key}"][kept]
+    record["long/positions"] = kept.astype(np.int32)
+    record["long/text"] = np.array(LONG)
+    return record
+
+
+def add_long(args) -> None:
+    """LONG's record added to each reference there is, from its fixture as it is."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name, spec in selected(args):
+        path = REFERENCES / f"{name}.npz"
+        with np.load(path) as data:
+            record = {key: data[key] for key in data.files if not key.startswith("long/")}
+        target = FIXTURES / f"{name}.gguf"
+        record.update(long_record(dequantized_copy(target, work) if spec.get("exact_reference") else target))
+        np.savez_compressed(path, **record)
+        print(name, len(record["long/ids"]), "tokens,", len(record["long/positions"]), "positions kept")
 
 
 def selected(args) -> list:
@@ -303,10 +414,12 @@ def main() -> None:
     conv.add_argument("--work", default="/tmp/mlxllama-arch")
     quant = sub.add_parser("quantize")
     quant.add_argument("--work", default="/tmp/mlxllama-arch")
-    for step in (conv, quant):
+    long = sub.add_parser("long")
+    long.add_argument("--work", default="/tmp/mlxllama-arch")
+    for step in (conv, quant, long):
         step.add_argument("--only", action="append", metavar="NAME", help="this fixture only (repeatable)")
     args = parser.parse_args()
-    convert(args) if args.step == "convert" else quantize(args)
+    {"convert": convert, "quantize": quantize, "long": add_long}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ class Architecture:
                 add(f"blk.{i}.attn_q_norm.weight", (config.head_dim,))
                 add(f"blk.{i}.attn_k_norm.weight", (config.head_dim,))
             if config.post_norms:
-                add(f"blk.{i}.attn_post_norm.weight", (hidden,))
-                add(f"blk.{i}.ffn_post_norm.weight", (hidden,))
+                add(f"blk.{i}.post_attention_norm.weight", (hidden,))
+                add(f"blk.{i}.post_ffw_norm.weight", (hidden,))
             if config.fused_gate_up:
                 add(f"blk.{i}.ffn_up.weight", (2 * config.ffn_size, hidden), f"blk.{i}.ffn_gate_up.weight")
             else:

@@ -64,7 +64,7 @@ class ModelConfig:
     # Per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3: attn_q_norm, attn_k_norm).
     qk_norm: bool = False
     # RMSNorm of the attention's and the FFN's outputs before each residual add (Gemma 3:
-    # attn_post_norm, ffn_post_norm).
+    # post_attention_norm, post_ffw_norm).
     post_norms: bool = False
     # The gated FFN's activation: "silu" (SwiGLU) or "gelu" (GeGLU, GELU's tanh approximation).
     ffn_activation: str = "silu"
@@ -167,7 +167,7 @@ def read_config(gguf: GGUFFile, architecture: Architecture, context_length: int 
         fused_qkv="blk.0.attn_qkv.weight" in tensors,
         fused_gate_up=architecture.fused_gate_up,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        post_norms="blk.0.attn_post_norm.weight" in tensors,
+        post_norms="blk.0.post_attention_norm.weight" in tensors,
     )
     config = architecture.specialize(config, keys)
     check_shapes(gguf, architecture, config)

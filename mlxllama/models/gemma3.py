@@ -1,7 +1,7 @@
 """`gemma3`: Gemma 3 text models (270M, 1B, and the text part of 4B-27B).
 
 Against Llama: embeddings scaled by sqrt(hidden); Q/K norms; norms of the attention's and the
-FFN's outputs before each residual add (`attn_post_norm`, `ffn_post_norm`; llama.cpp's converter
+FFN's outputs before each residual add (`post_attention_norm`, `post_ffw_norm`; llama.cpp's converter
 has already added Gemma's +1 to every norm weight); a GELU-gated FFN (tanh approximation); NeoX
 RoPE. Five of every six layers attend over a sliding window (`gemma3.attention.sliding_window`)
 with RoPE base 10,000 and no position scaling; the others over everything, with the file's base

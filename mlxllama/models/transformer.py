@@ -62,8 +62,8 @@ class Block(nn.Module):
             self.attn_q_norm = RMSNorm(head_dim, config.rms_eps, compute_dtype)
             self.attn_k_norm = RMSNorm(head_dim, config.rms_eps, compute_dtype)
         if config.post_norms:
-            self.attn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
-            self.ffn_post_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+            self.post_attention_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
+            self.post_ffw_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
         # A sliding layer's RoPE: its own base, no position scaling and no per-pair factors. (Plain
         # numbers: a dict here would be taken for a child module.)
         local = self._window > 0
@@ -119,12 +119,12 @@ class Block(nn.Module):
     def attention_residual(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         """What attention adds to the residual stream x."""
         out = self.attention(self.attn_norm(x), mask, cache)
-        return self.attn_post_norm(out) if "attn_post_norm" in self else out
+        return self.post_attention_norm(out) if "post_attention_norm" in self else out
 
     def mlp_residual(self, h: mx.array) -> mx.array:
         """What the FFN adds to the residual stream h."""
         out = self.mlp(self.ffn_norm(h))
-        return self.ffn_post_norm(out) if "ffn_post_norm" in self else out
+        return self.post_ffw_norm(out) if "post_ffw_norm" in self else out
 
     def mlp(self, x: mx.array) -> mx.array:
         if "ffn_gate_up" in self:
@@ -155,9 +155,10 @@ class Transformer(nn.Module):
         for block in self.blk:
             block._explicit_prefill = True
 
-    def make_cache(self) -> list[KVCache]:
-        """A fresh cache for one sequence, one entry a layer."""
-        return make_cache(len(self.blk))
+    def make_cache(self, bounded: bool = True) -> list[KVCache]:
+        """A fresh cache for one sequence, one entry a layer; a sliding layer's keeps only its window
+        unless `bounded` is False (cache.make_cache)."""
+        return make_cache([block.window for block in self.blk], bounded)
 
     def make_batch_cache(self) -> list[BatchKVCache]:
         """A fresh cache for rows of different lengths (batching.py), one entry a layer."""
@@ -265,8 +266,8 @@ class CompiledStep:
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         model = self.model()
-        if cache[0].keys is None or isinstance(cache[0], BatchKVCache):
-            return model(tokens, cache)[:, -1]
+        if cache[0].keys is None or not all(type(layer) is KVCache for layer in cache):
+            return model(tokens, cache)[:, -1]  # batches and sliding windows: the plain forward pass
         for layer in cache:
             layer.make_room(tokens.shape[1])
         buffers = [a for layer in cache for a in (layer.keys, layer.values)]

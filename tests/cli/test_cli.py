@@ -173,3 +173,18 @@ def test_json_too_long_a_number_or_too_deep_is_a_one_line_error(raw):
     with pytest.raises(MlxLlamaError, match=r"^--template-kwargs: not valid JSON \(") as e:
         parse_json_object(raw, "--template-kwargs")
     assert "\n" not in str(e.value)
+
+
+def test_qwen3_enable_thinking_reaches_its_own_template():
+    """The Qwen3 fixture carries Qwen3-0.6B's template: enable_thinking false closes an empty think block."""
+    qwen3 = str(find_fixture_model("qwen3-tiny-Q4_K_M.gguf"))
+    runner = CliRunner()
+
+    def rendered(*extra):
+        result = runner.invoke(main, ["generate", "-m", qwen3, "-p", "Hi", "-n", "1", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["prompt"]
+
+    assert rendered() == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered("--template-kwargs", '{"enable_thinking": false}') == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")

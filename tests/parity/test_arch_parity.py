@@ -1,21 +1,31 @@
-"""Llama 3, Qwen2, Phi-3 and Mistral against llama.cpp: tokenization, logits (KL), argmax and greedy ids.
+"""Llama 3, Qwen2, Qwen3, Phi-3, Mistral and Gemma 3 against llama.cpp: tokenization, logits (KL),
+argmax and greedy ids, on short prompts and at every 64th position of a prompt of over 4,096 tokens.
 
-The fixtures (tests/fixtures/{llama3,qwen2,phi3,mistral}-tiny-*.gguf) are random-weight transformers models
+The fixtures (tests/fixtures/{llama3,qwen2,qwen3,phi3,mistral,gemma3}-tiny-*.gguf) are random-weight transformers models
 with real, cut-down tokenizers, converted and quantized by llama.cpp's own tools; the references
 (tests/reference/arch/*.npz) hold llama.cpp's ids and logits for their prompts. Both were made by
 scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply. test_longrope.py checks
 phi3-longrope-tiny's references at other context sizes.
+
+Qwen3's and Gemma 3's references are llama.cpp on a float32 copy of the fixture's dequantized
+weights (the exact answer for those weights; llama.cpp's quantized path rounds activations to 8
+bits, which with their peaked attention moves its logits by a KL of 1e-3 or more), so their bar is
+tighter: the largest KL as well as the mean, under 1e-3 with --dequantize. Natively a K-quant's
+scales are kept as float16 (quants.AFFINE_SCALE_DTYPE), which at depth moves the largest KL of the
+Q4_K_M fixture to about 1.2e-3: there the largest may reach NATIVE_MAX_KL.
 """
+
 
 from functools import lru_cache
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlxllama
 
 from conftest import REFERENCE, find_fixture_model
-from test_llama_parity import assert_greedy_matches, assert_logits_match
+from test_llama_parity import MAX_MEAN_KL, assert_greedy_matches, assert_logits_match, kl_per_position
 
 REFERENCE_DIR = REFERENCE / "arch"
 REFERENCES = sorted(p.stem for p in REFERENCE_DIR.glob("*.npz"))
@@ -26,6 +36,11 @@ MIN_DECIDED = 0.5
 # llama.cpp's n_ctx when the references were recorded: it picks Phi-3's LongRoPE factors, so the
 # models are loaded for the same context.
 REFERENCE_CONTEXT = 512
+# The long prompt's references were recorded at this n_ctx (scripts/make_arch_fixtures.py).
+LONG_CONTEXT = 8192
+LONG_REFERENCES = [n for n in REFERENCES if not n.startswith("phi3-longrope")]  # trained for 4,096 only
+EXACT = ("qwen3", "gemma3")  # references from llama.cpp on the dequantized weights
+NATIVE_MAX_KL = 5e-3
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +54,7 @@ def reference(name: str) -> dict:
 
 
 def test_every_architecture_has_a_reference():
-    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "phi3", "mistral"}
+    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
 
 
 @pytest.mark.parametrize("name", REFERENCES)
@@ -56,6 +71,78 @@ def test_logits_match_llama_cpp(name):
         assert_logits_match(m, ref, prompt, f"{name} {prompt}", MIN_DECIDED)
 
 
+@pytest.mark.parametrize("name", [n for n in REFERENCES if n.startswith(EXACT)])
+@pytest.mark.parametrize("dequantize", [False, True], ids=["native", "dequantize"])
+def test_the_exact_references_hold_at_every_position(name, dequantize):
+    m = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=REFERENCE_CONTEXT, dequantize=dequantize)
+    ref = reference(name)
+    for prompt in PROMPTS:
+        kl = kl_per_position(ref, prompt, m.logits(ref[f"{prompt}/ids"].tolist()))
+        largest = MAX_MEAN_KL if dequantize else NATIVE_MAX_KL
+        assert kl.mean() < MAX_MEAN_KL and kl.max() < largest, f"{name} {prompt}: KL {kl.mean():.2e}, {kl.max():.2e}"
+
+
+@lru_cache(maxsize=None)
+def long_logits(name: str, window: int | None = None, local_base: float | None = None,
+                dequantize: bool = False, tokens: int | None = None) -> tuple:
+    """Our logits at the long reference's positions (those among its first `tokens`, if given);
+    `window`/`local_base` replace the sliding layers' window or RoPE base, to show that the test
+    catches a wrong one."""
+    m = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=LONG_CONTEXT, dequantize=dequantize)
+    for block in m.model.blk:
+        if block.window and window is not None:
+            block._window = window
+        if block.window and local_base is not None:
+            block._rope_base = local_base
+    ref = reference(name)
+    ids = ref["long/ids"].tolist()[:tokens]
+    return m, prefill_logits(m.model, ids, [p for p in ref["long/positions"] if p < len(ids)])
+
+
+def prefill_logits(model, ids: list[int], positions) -> np.ndarray:
+    """Logits at `positions`, the prompt fed in chunks of 512 through the model's own cache, as
+    generate feeds it: a sliding layer's cache keeps only its window, and attention costs the
+    window, not the prompt."""
+    cache, hidden = model.make_cache(), []
+    for start in range(0, len(ids), 512):
+        h = model.hidden_states(mx.array([ids[start : start + 512]]), cache)[0]
+        wanted = [int(p) - start for p in positions if start <= p < start + 512]
+        hidden.append(h[mx.array(wanted)] if wanted else h[:0])
+        mx.eval(hidden[-1], [layer.state for layer in cache])
+    assert all(layer.offset == len(ids) for layer in cache)
+    return np.array(model.head(mx.concatenate(hidden)))
+
+
+LONG_CASES = [(n, False) for n in LONG_REFERENCES] + [(n, True) for n in LONG_REFERENCES if n.startswith(EXACT)]
+
+
+@pytest.mark.parametrize("name,dequantize", LONG_CASES, ids=lambda x: {False: "native", True: "dequantize"}.get(x, x))
+def test_logits_match_llama_cpp_past_4096_tokens(name, dequantize):
+    m, ours = long_logits(name, dequantize=dequantize)
+    ref = reference(name)
+    assert len(ref["long/ids"]) >= 4096 and m.tokenize(str(ref["long/text"])) == ref["long/ids"].tolist()
+    kl = kl_per_position(ref, "long", ours)
+    assert kl.mean() < MAX_MEAN_KL, f"{name}: mean KL {kl.mean():.2e}, largest {kl.max():.2e}"
+    if name.startswith(EXACT):
+        largest = MAX_MEAN_KL if dequantize else NATIVE_MAX_KL
+        assert kl.max() < largest, f"{name}: largest KL {kl.max():.2e} at {ref['long/positions'][kl.argmax()]}"
+    top = ref["long/top_logits"]
+    decided = top[:, 0] - top[:, 1] >= 0.1
+    assert decided.mean() > MIN_DECIDED
+    np.testing.assert_array_equal(ours.argmax(axis=1)[decided], ref["long/top_ids"][decided, 0], err_msg=name)
+
+
+@pytest.mark.parametrize("change", [dict(window=64), dict(window=0), dict(local_base=1e6)], ids=str)
+def test_a_wrong_window_or_local_rope_base_fails_the_long_test(change):
+    """The Gemma 3 fixture's attention is peaked enough that its window and local RoPE base matter."""
+    name, tokens = next(n for n in REFERENCES if n.startswith("gemma3")), 1024  # 32 windows are enough
+    _, ours = long_logits(name, **change, tokens=tokens)
+    ref = reference(name)
+    kept = ref["long/positions"] < tokens
+    ref = {f"long/{k}": ref[f"long/{k}"][kept] for k in ("top_ids", "top_logits", "logsumexp")}
+    assert kl_per_position(ref, "long", ours).mean() > 10 * MAX_MEAN_KL
+
+
 @pytest.mark.parametrize("name", REFERENCES)
 def test_greedy_continuation_matches_llama_cpp(name):
     m, ref = model(name), reference(name)
@@ -64,8 +151,8 @@ def test_greedy_continuation_matches_llama_cpp(name):
 
 
 def test_each_fixture_exercises_its_architecture():
-    llama3, qwen2, phi3, mistral = (model(next(n for n in REFERENCES if n.startswith(a))).config
-                                    for a in ("llama3", "qwen2", "phi3", "mistral"))
+    llama3, qwen2, phi3, mistral, qwen3, gemma3 = (model(next(n for n in REFERENCES if n.startswith(a))).config
+                                                   for a in ("llama3", "qwen2", "phi3", "mistral", "qwen3", "gemma3"))
     # Llama 3: rope_freqs from the llama3 RoPE scaling, adjacent-pair RoPE, tied output
     assert (llama3.architecture, llama3.rope_traditional, llama3.tied_output) == ("llama", True, True)
     assert llama3.rope_freq_factors[0] == 1.0 and llama3.rope_freq_factors[-1] == 32.0
@@ -77,3 +164,14 @@ def test_each_fixture_exercises_its_architecture():
     # Mistral: converted to `llama`, so adjacent-pair RoPE, with v0.2's theta 1e6, GQA, untied output
     assert (mistral.architecture, mistral.rope_traditional, mistral.rope_base) == ("llama", True, 1e6)
     assert mistral.n_kv_heads < mistral.n_heads and not mistral.tied_output and mistral.rope_freq_factors is None
+    # Qwen3: Q/K norms, a head size other than hidden / heads, NeoX RoPE with theta 1e6, tied output
+    assert (qwen3.architecture, qwen3.qk_norm, qwen3.head_dim, qwen3.hidden_size // qwen3.n_heads) == (
+        "qwen3", True, 128, 64)
+    assert (qwen3.rope_traditional, qwen3.rope_base, qwen3.tied_output, qwen3.attn_bias) == (False, 1e6, True, False)
+    # Gemma 3: five sliding layers (window 32, base 10,000) and a global one (1e6), GeGLU, post norms,
+    # embeddings scaled by sqrt(256), 1 KV head
+    assert (gemma3.architecture, gemma3.sliding_window, gemma3.sliding_layers) == (
+        "gemma3", 32, (True, True, True, True, True, False))
+    assert (gemma3.rope_base, gemma3.rope_base_local, gemma3.ffn_activation, gemma3.embedding_scale) == (
+        1e6, 10000.0, "gelu", 16.0)
+    assert gemma3.qk_norm and gemma3.post_norms and gemma3.n_kv_heads == 1 and gemma3.attention_scale == 64**-0.5

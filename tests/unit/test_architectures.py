@@ -17,7 +17,8 @@ from mlxllama.quantized_layers import NativeLinear
 
 from conftest import PACKAGE_DATA, find_fixture_model
 
-FAMILY_FIXTURES = {"llama": "llama3-tiny-Q6_K.gguf", "qwen2": "qwen2-tiny-Q8_0.gguf", "phi3": "phi3-tiny-Q5_K_M.gguf"}
+FAMILY_FIXTURES = {"llama": "llama3-tiny-Q6_K.gguf", "qwen2": "qwen2-tiny-Q8_0.gguf", "phi3": "phi3-tiny-Q5_K_M.gguf",
+                   "qwen3": "qwen3-tiny-Q4_K_M.gguf", "gemma3": "gemma3-tiny-Q8_0.gguf"}
 ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
 
 
@@ -128,3 +129,13 @@ def test_a_blocks_children_are_all_layers(family):
 
     block = mlxllama.load(find_fixture_model(FAMILY_FIXTURES[family])).model.blk[0]
     assert block.children() and all(isinstance(child, nn.Module) for child in block.children().values())
+
+
+def test_the_cuda_kernels_take_only_the_blocks_they_compute():
+    """Decided at load: Qwen3's and Gemma 3's blocks go to the plain MLX step (on CUDA as elsewhere)."""
+    from mlxllama.cuda import implemented
+
+    taken = {name: implemented(mlxllama.load(find_fixture_model(f"{name}.gguf")).config)
+             for name in ("llama3-tiny-Q6_K", "qwen2-tiny-Q8_0", "phi3-tiny-Q5_K_M", "qwen3-tiny-Q4_K_M", "gemma3-tiny-Q8_0")}
+    assert taken == {"llama3-tiny-Q6_K": True, "qwen2-tiny-Q8_0": True, "phi3-tiny-Q5_K_M": True,
+                     "qwen3-tiny-Q4_K_M": False, "gemma3-tiny-Q8_0": False}

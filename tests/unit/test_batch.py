@@ -66,7 +66,7 @@ def test_batched_step_logits_are_bit_identical(runtime, prompts):
     singles, tokens = [], []
     batch = make_batch_cache(layers)
     for ids in prompts[:3]:
-        single = make_cache(layers)
+        single = model.make_cache()
         tokens.append(int(mx.argmax(prefill(model, ids, single))))
         for layer, row in zip(batch, single):
             layer.add(row)
@@ -86,7 +86,7 @@ def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
     stepped, forward = make_batch_cache(layers), make_batch_cache(layers)
     tokens = []
     for ids in prompts[:3]:
-        single = make_cache(layers)
+        single = model.make_cache()
         tokens.append([int(mx.argmax(prefill(model, ids, single)))])
         for a, b, row in zip(stepped, forward, single):
             a.add(row)
@@ -127,7 +127,7 @@ def test_batch_cache_builds_its_offset_once_per_change():
     """RoPE, the mask and the update of a step all read one offset array; it follows every change of lengths."""
     layer = make_batch_cache(1)[0]
     for length in (3, 5):
-        single = make_cache(1)[0]
+        single = make_cache([0])[0]
         single.update_and_fetch(mx.zeros((1, 2, length, 4)), mx.zeros((1, 2, length, 4)))
         layer.add(single)
     offset = layer.offset
