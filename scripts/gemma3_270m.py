@@ -92,16 +92,9 @@ def record(path: Path = DEFAULT) -> None:
 
 def _record(path: Path) -> dict:
     import numpy as np
-    from make_llama_reference import reference  # also switches off llama.cpp's extra buffer types
+    from make_llama_reference import keep_every, reference  # also switches off llama.cpp's extra buffer types
 
-    record = reference(path, dict(PROMPTS, long=LONG), N_CTX)
-    ids = record["long/ids"]
-    if len(ids) < LONG_TOKENS:
-        raise SystemExit(f"LONG is only {len(ids)} tokens")
-    kept = np.unique(np.append(np.arange(0, len(ids), STRIDE), len(ids) - 1))
-    for key in ("top_ids", "top_logits", "logsumexp"):
-        record[f"long/{key}"] = record[f"long/{key}"][kept]
-    record["long/positions"] = kept.astype(np.int32)
+    record = keep_every(reference(path, dict(PROMPTS, long=LONG), N_CTX), "long", STRIDE, LONG_TOKENS)
     for name, text in dict(PROMPTS, long=LONG).items():
         record[f"{name}/text"] = np.array(text)
     return record

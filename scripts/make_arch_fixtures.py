@@ -368,16 +368,9 @@ def dequantized_copy(target: Path, work: Path) -> Path:
 def long_record(target: Path) -> dict:
     """LONG's record at LONG_CONTEXT, at every LONG_STRIDE-th position and the last."""
     import numpy as np
-    from make_llama_reference import reference
+    from make_llama_reference import keep_every, reference
 
-    record = reference(target, {"long": LONG}, LONG_CONTEXT)
-    ids = record["long/ids"]
-    if len(ids) < LONG_TOKENS:
-        raise SystemExit(f"{target.name}: LONG is only {len(ids)} tokens")
-    kept = np.unique(np.append(np.arange(0, len(ids), LONG_STRIDE), len(ids) - 1))
-    for key in ("top_ids", "top_logits", "logsumexp"):
-        record[f"long/{key}"] = record[f"long/{key}"][kept]
-    record["long/positions"] = kept.astype(np.int32)
+    record = keep_every(reference(target, {"long": LONG}, LONG_CONTEXT), "long", LONG_STRIDE, LONG_TOKENS)
     record["long/text"] = np.array(LONG)
     return record
 

@@ -63,6 +63,19 @@ def reference(path: Path, prompts: dict[str, str] = PROMPTS, n_ctx: int = 512) -
     return record
 
 
+def keep_every(record: dict, prompt: str, stride: int, at_least: int) -> dict:
+    """The record with `prompt`'s logits kept at every stride-th position and the last only (with
+    `{prompt}/positions`): a long prompt's in full would weigh megabytes."""
+    ids = record[f"{prompt}/ids"]
+    if len(ids) < at_least:
+        raise SystemExit(f"the {prompt!r} prompt is only {len(ids)} tokens, fewer than {at_least}")
+    kept = np.unique(np.append(np.arange(0, len(ids), stride), len(ids) - 1))
+    for key in ("top_ids", "top_logits", "logsumexp"):
+        record[f"{prompt}/{key}"] = record[f"{prompt}/{key}"][kept]
+    record[f"{prompt}/positions"] = kept.astype(np.int32)
+    return record
+
+
 def main(paths):
     OUT.mkdir(parents=True, exist_ok=True)
     for path in map(Path, paths):
