@@ -29,9 +29,6 @@ from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
 from .prompt_cache import PromptCache
-
-# Joining prompts fed together in one padded batch: at most this many tokens, padding included.
-TOGETHER_TOKENS = 2048
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
 
@@ -175,57 +172,6 @@ class BatchDecoder:
         else:
             self.joining.append(Joining(row, self.model.make_cache(bounded=False)))
         return row
-
-    def prefill_joining(self) -> list[Row]:
-        """Prefill what joins next: the joining prompts whose rest fits one chunk, fed together as
-        one padded batch when there are several (a server's newcomers often arrive together, and a
-        GPU prefills ten short prompts in about the time of one), else one chunk of the first.
-        Returns the rows that finished at their first token."""
-        group = self._fitting_together()
-        if len(group) < 2:
-            row = self.prefill_chunk()
-            return [row] if row is not None else []
-        return self._prefill_together(group)
-
-    def _fitting_together(self) -> list[Joining]:
-        """The joining rows from the front whose rest fits a chunk, within TOGETHER_TOKENS once padded."""
-        group, width = [], 0
-        for joining in self.joining:
-            rest = len(joining.row.request.ids) - joining.fed
-            if rest > self.chunk or (len(group) + 1) * max(width, rest) > TOGETHER_TOKENS:
-                break
-            group.append(joining)
-            width = max(width, rest)
-        return group
-
-    def _prefill_together(self, group: list[Joining]) -> list[Row]:
-        rests = [list(j.row.request.ids[j.fed :]) for j in group]
-        width = max(map(len, rests))
-        cache = self.model.make_batch_cache()
-        for joining in group:
-            for layer, row_layer in zip(cache, joining.cache):
-                layer.add(row_layer)
-        starts = list(cache[0].lengths)
-        # Padding goes after each prompt, so no real token attends to it; truncate forgets it.
-        hidden = self.model.hidden_states(mx.array([rest + [0] * (width - len(rest)) for rest in rests]), cache)
-        for layer in cache:
-            layer.truncate([start + len(rest) for start, rest in zip(starts, rests)])
-        last = self.model.head(hidden[mx.arange(len(group)), mx.array([len(rest) - 1 for rest in rests])])
-        taken = {id(joining) for joining in group}
-        self.joining = deque(j for j in self.joining if id(j) not in taken)
-        finished, staying = [], []
-        for i, joining in enumerate(group):
-            row, ids = joining.row, joining.row.request.ids
-            row.prefilled_tokens += len(rests[i])
-            if self.prompt_cache is not None:
-                self.prompt_cache.store(ids, [(c.keys[i : i + 1], c.values[i : i + 1]) for c in cache])
-            (finished if row.accept(row.sampler(last[i], row.context).item(), last[i]) else staying).append(i)
-        if staying:
-            for layer, joined in zip(self.cache, cache):
-                joined.keep(staying)
-                layer.extend(joined)
-            self.rows += [group[i].row for i in staying]
-        return [group[i].row for i in finished]
 
     def prefill_chunk(self) -> Row | None:
         """Feed the next chunk of the first joining prompt. Once the whole prompt is in, its first

@@ -226,9 +226,6 @@ class BatchKVCache:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
-        if self.keys is None:  # rows that all joined empty: the first keys give the shapes
-            self.keys = mx.zeros((batch, keys.shape[1], 0, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((batch, values.shape[1], 0, values.shape[3]), values.dtype)
         self.make_room(new)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
@@ -237,42 +234,18 @@ class BatchKVCache:
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def add(self, cache: KVCache) -> None:
-        """Append a single sequence's cache as a new last row (a fresh one: a row of no positions)."""
+        """Append a single sequence's cache as a new last row."""
         length = cache.offset
-        if cache.keys is None:
-            if self.keys is not None:
-                self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])])
-                self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])])
-            self.lengths, self._offset = self.lengths + [0], None
-            return
         keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
-        if self.keys is None:  # the rows so far joined empty
-            rows = len(self.lengths)
-            self.keys = mx.zeros((rows, keys.shape[1], 0, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((rows, values.shape[1], 0, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys = mx.zeros((0, keys.shape[1], 0, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((0, values.shape[1], 0, values.shape[3]), values.dtype)
         self._reserve(length)
         room = self.keys.shape[2] - length
         pad = [(0, 0), (0, 0), (0, room), (0, 0)]
         self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
         self.values = mx.concatenate([self.values, mx.pad(values, pad)])
         self.lengths, self._offset = self.lengths + [length], None
-
-    def extend(self, other: BatchKVCache) -> None:
-        """Append another batch cache's rows after these."""
-        if self.keys is None:
-            self.keys, self.values = other.keys, other.values
-        else:
-            capacity = max(self.keys.shape[2], other.keys.shape[2])
-            grown = [mx.pad(a, [(0, 0), (0, 0), (0, capacity - a.shape[2]), (0, 0)])
-                     for a in (self.keys, self.values, other.keys, other.values)]
-            self.keys = mx.concatenate([grown[0], grown[2]])
-            self.values = mx.concatenate([grown[1], grown[3]])
-        self.lengths, self._offset = self.lengths + other.lengths, None
-
-    def truncate(self, lengths: list[int]) -> None:
-        """Row i keeps its first lengths[i] positions: the slots after them are hidden by the mask
-        and written over by the row's next tokens (a padded prefill's padding)."""
-        self.lengths, self._offset = list(lengths), None
 
     def keep(self, rows: list[int]) -> None:
         """Drop every row not listed, so finished sequences cost no more compute."""

@@ -115,9 +115,10 @@ class Engine:
                 return
             self._drop_cancelled()
             try:
-                # One chunk of a joining prompt (or several short ones together), then one step of
-                # the running rows: newcomers hold the running streams up by about a chunk at most.
-                finished = (self.decoder.prefill_joining() if self.decoder.joining else []) + self.decoder.step()
+                # One chunk of a joining prompt, then one step of the running rows: a newcomer's
+                # prefill holds the running streams up by one chunk at most.
+                joined = self.decoder.prefill_chunk() if self.decoder.joining else None
+                finished = ([joined] if joined else []) + self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 for ticket in self.tickets:
                     ticket.on_error(e)

@@ -109,41 +109,6 @@ def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, ba
     assert results[4].text == "The capital of Japan is Tokyo." and results[4].finish_reason == "stop"
 
 
-def test_short_prompts_joining_together_are_prefilled_as_one_padded_batch(runtime, prompts, sequential):
-    """The server's newcomers: several prompts of different lengths, some continuing from the prompt
-    cache and one with nothing after its first token, prefilled in one padded batch and joining a
-    running row; each generates what it generates alone (the same greedy ids)."""
-    from mlxllama.batching import BatchDecoder, Request
-    from mlxllama.prompt_cache import PromptCache
-
-    store = PromptCache(1 << 30)
-    decoder = BatchDecoder(runtime.model, runtime.tokenizer, 8, prompt_cache=store)
-    store.store(prompts[0][:3], [(c.keys, c.values) for c in _prefilled(runtime, prompts[0][:3])])
-    running = decoder.admit(0, Request(prompts[5], MAX_TOKENS[5]))
-    decoder.prefill_joining()  # alone: the single path
-    decoder.step()
-    rows = [decoder.admit(i, Request(prompts[i], MAX_TOKENS[i])) for i in range(5)]
-    first_only = decoder.admit(9, Request(prompts[1], 1))
-    calls = []
-    together = decoder._prefill_together
-    decoder._prefill_together = lambda group: (calls.append(len(group)), together(group))[1]
-    finished = decoder.prefill_joining()
-    assert calls == [6] and not decoder.joining and finished == [first_only]
-    assert rows[0].cached_tokens == 3 and rows[0].prefilled_tokens == len(prompts[0]) - 3
-    assert first_only.ids == sequential[1].token_ids[:1]
-    while decoder.rows:
-        decoder.step()
-    for i, row in enumerate(rows):
-        assert row.ids == sequential[i].token_ids, i
-    assert running.ids == sequential[5].token_ids
-
-
-def _prefilled(runtime, ids):
-    cache = runtime.model.make_cache()
-    runtime.model(mx.array([ids]), cache)
-    return cache
-
-
 def test_seeded_sampling_does_not_depend_on_the_batch(runtime, prompts):
     settings = dict(max_tokens=6, temperature=0.9, top_k=40, seed=11)
     alone = runtime.generate(prompts[1], **settings)
