@@ -85,6 +85,10 @@ FIXTURE_SPECS = {
     # Q4_K_M: the mix most published Mistral GGUFs use, and one the other fixtures do not cover.
     "mistral-tiny-Q4_K_M": dict(
         vocab="llama-spm", template="mistral", ftype="Q4_K_M", specials=[], bos="<s>", eos="</s>"),
+    # Qwen2.5's long-context files: YaRN, factor 4 over an original 4,096 positions (16,384 in all).
+    "qwen2-yarn-tiny-Q8_0": dict(
+        vocab="qwen2", template="chatml", ftype="Q8_0",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>"),
     # Qwen3: Q/K norms, a head size (128) other than hidden / heads (64), theta 1e6, tied output, and
     # Qwen3-0.6B's own template (enable_thinking) from the shared templates.
     "qwen3-tiny-Q4_K_M": dict(
@@ -119,7 +123,7 @@ PROMPTS = {
     },
 }
 PROMPTS["phi3-longrope-tiny-Q8_0"] = PROMPTS["phi3-tiny-Q5_K_M"]
-PROMPTS["qwen3-tiny-Q4_K_M"] = PROMPTS["qwen2-tiny-Q8_0"]
+PROMPTS["qwen3-tiny-Q4_K_M"] = PROMPTS["qwen2-yarn-tiny-Q8_0"] = PROMPTS["qwen2-tiny-Q8_0"]
 PROMPTS["gemma3-tiny-Q8_0"] = {
     "chat": f"<start_of_turn>user\n{QUESTION}<end_of_turn>\n<start_of_turn>model\n",  # llama.cpp adds the BOS
     "plain": PLAIN,
@@ -244,6 +248,11 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 8192})
         model = LlamaForCausalLM(config)
+    elif name.startswith("qwen2-yarn"):
+        config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=16384,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 4096})
+        model = Qwen2ForCausalLM(config)
     elif name.startswith("qwen2"):
         config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})

@@ -50,10 +50,11 @@ class ModelConfig:
     vocab_size: int
     tied_output: bool
     # Per-pair RoPE frequency divisors (llama.cpp's freq_factors: Llama 3's rope_freqs, Phi-3's
-    # short or long factors, picked by context_length), rope_dim / 2 of them; None: plain RoPE.
+    # short or long factors, picked by context_length; times YaRN's, see yarn_factors), rope_dim / 2
+    # of them; None: plain RoPE.
     rope_freq_factors: tuple[float, ...] | None = None
     # Scale of the rotated Q/K dims after RoPE (rope.scaling.attn_factor: Phi-3's LongRoPE, which
-    # llama.cpp applies with the short factors as well as the long ones).
+    # llama.cpp applies with the short factors as well as the long ones; times YaRN's scale).
     rope_attn_factor: float = 1.0
     # Q/K/V projections with biases (Qwen2).
     attn_bias: bool = False
@@ -143,8 +144,16 @@ def read_config(gguf: GGUFFile, architecture: Architecture, context_length: int 
     elif not 1 <= context_length <= trained_context:
         raise MlxLlamaError(f"context length {context_length} is not between 1 and the model's trained context"
                             f" of {trained_context}")
-    long_factors = long_rope_factors(
-        context_length, keys.positive(f"{arch}.rope.scaling.original_context_length", int, trained_context))
+    original_context = keys.positive(f"{arch}.rope.scaling.original_context_length", int, trained_context)
+    long_factors = long_rope_factors(context_length, original_context)
+    rope_base = float(keys.positive(f"{arch}.rope.freq_base", float, 10000.0))
+    freq_factors = _rope_freq_factors(gguf, rope_dim, long_factors)
+    attn_factor = float(keys.positive(f"{arch}.rope.scaling.attn_factor", float, 1.0))
+    if keys.get(f"{arch}.rope.scaling.type", str, "none") == "yarn":
+        yarn, mscale = yarn_factors(keys.positive(f"{arch}.rope.scaling.factor", float), rope_dim, rope_base,
+                                    original_context, float(keys.get(f"{arch}.rope.scaling.yarn_log_multiplier", float, 0.0)))
+        freq_factors = tuple(f * y for f, y in zip(freq_factors or (1.0,) * len(yarn), yarn))
+        attn_factor *= mscale
     config = ModelConfig(
         architecture=arch,
         n_layers=n_layers,
@@ -154,15 +163,15 @@ def read_config(gguf: GGUFFile, architecture: Architecture, context_length: int 
         head_dim=head_dim,
         rope_dim=rope_dim,
         ffn_size=keys.positive(f"{arch}.feed_forward_length", int),
-        rope_base=float(keys.positive(f"{arch}.rope.freq_base", float, 10000.0)),
+        rope_base=rope_base,
         rope_scale=_rope_scale(keys, arch),
         rope_traditional=architecture.rope_traditional,
         rms_eps=float(keys.positive(f"{arch}.attention.layer_norm_rms_epsilon", float)),
         context_length=context_length,
         vocab_size=keys.positive(f"{arch}.vocab_size", int, tensor_shape(tensors["token_embd.weight"])[0]),
         tied_output="output.weight" not in tensors,
-        rope_freq_factors=_rope_freq_factors(gguf, rope_dim, long_factors),
-        rope_attn_factor=float(keys.positive(f"{arch}.rope.scaling.attn_factor", float, 1.0)),
+        rope_freq_factors=freq_factors,
+        rope_attn_factor=attn_factor,
         attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         fused_qkv="blk.0.attn_qkv.weight" in tensors,
         fused_gate_up=architecture.fused_gate_up,
@@ -225,4 +234,36 @@ def _rope_scale(keys: Metadata, arch: str) -> float:
         return 1.0 / keys.positive(f"{arch}.rope.scale_linear", float, 1.0)
     if kind == "linear":
         return 1.0 / keys.positive(f"{arch}.rope.scaling.factor", float, 1.0)
-    raise MlxLlamaError(f"{keys.path}: unsupported RoPE scaling type {kind!r} (supported: none, linear)")
+    if kind == "yarn":  # its scaling is per pair (yarn_factors)
+        return 1.0
+    raise MlxLlamaError(f"{keys.path}: unsupported RoPE scaling type {kind!r} (supported: none, linear, yarn)")
+
+
+# YaRN's defaults in llama.cpp (llama-hparams.h), which it does not read from the file.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def yarn_factors(factor: float, rope_dim: int, base: float, original_context: int,
+                 log_multiplier: float = 0.0) -> tuple[tuple[float, ...], float]:
+    """YaRN as llama.cpp computes it (ggml's rope_yarn, llama_context's yarn_attn_factor): each
+    rotated pair's angle divisor, and the scale of the rotated dims.
+
+    Pair i turns at base ** (-2i / rope_dim) times a blend of 1/factor (interpolation) and 1
+    (extrapolation): extrapolated below the pair llama.cpp's ggml_rope_yarn_corr_dims finds for
+    beta_fast, interpolated above the one for beta_slow, a linear ramp between. Cos and sin are
+    scaled by 1 + 0.1 ln(factor) (over the same with log_multiplier, where the file sets one).
+    """
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(YARN_BETA_FAST)))
+    high = min(rope_dim - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
+    divisors = []
+    for i in range(rope_dim // 2):
+        extrapolated = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+        divisors.append(1.0 / ((1.0 - extrapolated) / factor + extrapolated))
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * scale * math.log(factor) + 1.0
+
+    return tuple(divisors), mscale(1.0) / (mscale(log_multiplier) if log_multiplier else 1.0)

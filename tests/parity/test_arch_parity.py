@@ -1,4 +1,4 @@
-"""Llama 3, Qwen2, Qwen3, Phi-3, Mistral and Gemma 3 against llama.cpp: tokenization, logits (KL),
+"""Llama 3, Qwen2 (also with YaRN), Qwen3, Phi-3, Mistral and Gemma 3 against llama.cpp: tokenization, logits (KL),
 argmax and greedy ids, on short prompts and at every 64th position of a prompt of over 4,096 tokens.
 
 The fixtures (tests/fixtures/{llama3,qwen2,qwen3,phi3,mistral,gemma3}-tiny-*.gguf) are random-weight transformers models
@@ -175,3 +175,26 @@ def test_each_fixture_exercises_its_architecture():
     assert (gemma3.rope_base, gemma3.rope_base_local, gemma3.ffn_activation, gemma3.embedding_scale) == (
         1e6, 10000.0, "gelu", 16.0)
     assert gemma3.qk_norm and gemma3.post_norms and gemma3.n_kv_heads == 1 and gemma3.attention_scale == 64**-0.5
+    # Qwen2 with YaRN (factor 4 over 4,096): per-pair divisors between 1 and 4, cos/sin scaled by 1 + 0.1 ln 4
+    yarn = model(next(n for n in REFERENCES if n.startswith("qwen2-yarn"))).config
+    assert yarn.rope_scale == 1.0 and abs(yarn.rope_attn_factor - (1 + 0.1 * np.log(4))) < 1e-6
+    assert yarn.rope_freq_factors[0] == 1.0 and yarn.rope_freq_factors[-1] == 4.0
+
+
+@pytest.mark.parametrize("wrong", ["no YaRN", "interpolation only", "no scale"])
+def test_a_wrong_yarn_fails_the_parity_bar(wrong, monkeypatch):
+    """Without YaRN, with every pair interpolated, or without its cos/sin scale, the Qwen2 YaRN
+    fixture's logits leave llama.cpp's by more than three times the bar."""
+    import mlxllama.models.config as config
+
+    real = config.yarn_factors
+
+    def changed(factor, rope_dim, base, original, log_multiplier=0.0):
+        divisors, scale = real(factor, rope_dim, base, original, log_multiplier)
+        return {"no YaRN": ((1.0,) * len(divisors), 1.0), "interpolation only": ((factor,) * len(divisors), scale),
+                "no scale": (divisors, 1.0)}[wrong]
+
+    monkeypatch.setattr(config, "yarn_factors", changed)
+    name = next(n for n in REFERENCES if n.startswith("qwen2-yarn"))
+    m, ref = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=REFERENCE_CONTEXT), reference(name)
+    assert kl_per_position(ref, "plain", m.logits(ref["plain/ids"].tolist())).mean() > 3 * MAX_MEAN_KL
