@@ -2,14 +2,17 @@
 
 The `gguf` package's reader memory-maps the file, so tensor data is read from disk only when a
 tensor is converted (weights.py). The header is checked first (gguf_check.py); every problem with
-the file surfaces as one MlxLlamaError naming the file.
+the file surfaces as one MlxLlamaError naming the file. A model split by llama.cpp's gguf-split or
+converter (NAME-00001-of-0000N.gguf, ...) opens from its first part: the metadata is the first
+part's, the tensors those of every part.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,8 @@ from .errors import MlxLlamaError
 from .gguf_check import HeaderCheck
 
 GGUF_MAGIC = b"GGUF"
+# How llama.cpp names the parts of a split model (llama_split_path).
+SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 
 
 @dataclass
@@ -27,6 +32,7 @@ class GGUFFile:
     reader: GGUFReader
     metadata: dict[str, Any]
     tensors: dict[str, Any]  # name -> gguf ReaderTensor, in file order
+    parts: list[str] = field(default_factory=list)  # every file of a split model, the first first
 
 
 class _Reader(GGUFReader):
@@ -58,7 +64,38 @@ class _Reader(GGUFReader):
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    path = os.fspath(path)
+    first = _open_one(os.fspath(path))
+    count = first.metadata.get("split.count", 1)
+    return _join_parts(first, count) if isinstance(count, int) and count > 1 else first
+
+
+def _join_parts(first: GGUFFile, count: int) -> GGUFFile:
+    """The model split over `count` files, opened from the first: each part checked to be the
+    one its name says, no tensor in two parts, and as many tensors as the first part announces."""
+    match = SPLIT_NAME.fullmatch(os.path.basename(first.path))
+    if first.metadata.get("split.no", 0) != 0 or not match or int(match.group(2)) != 1 or int(match.group(3)) != count:
+        raise MlxLlamaError(f"{first.path}: part {first.metadata.get('split.no', 0) + 1} of a model split in {count};"
+                            f" open its first part, NAME-00001-of-{count:05d}.gguf")
+    tensors, parts = dict(first.tensors), [first.path]
+    for number in range(2, count + 1):
+        part_path = os.path.join(os.path.dirname(first.path), f"{match.group(1)}-{number:05d}-of-{count:05d}.gguf")
+        if not os.path.isfile(part_path):
+            raise MlxLlamaError(f"{first.path}: part {number} of {count} is missing ({part_path})")
+        part = _open_one(part_path)
+        if part.metadata.get("split.no") != number - 1 or part.metadata.get("split.count") != count:
+            raise MlxLlamaError(f"{part_path}: not part {number} of {count} (its split.no and split.count say otherwise)")
+        twice = sorted(tensors.keys() & part.tensors.keys())
+        if twice:
+            raise MlxLlamaError(f"{part_path}: tensor {twice[0]!r} is in an earlier part too")
+        tensors.update(part.tensors)
+        parts.append(part_path)
+    announced = first.metadata.get("split.tensors.count", len(tensors))
+    if announced != len(tensors):
+        raise MlxLlamaError(f"{first.path}: the {count} parts hold {len(tensors)} tensors, split.tensors.count says {announced}")
+    return GGUFFile(first.path, first.reader, first.metadata, tensors, parts)
+
+
+def _open_one(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise MlxLlamaError(f"{path}: {'is a directory, not a GGUF file' if os.path.isdir(path) else 'no such file'}")
     try:
@@ -79,7 +116,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         metadata = {k: _field_value(f) for k, f in reader.fields.items()}
     except Exception as e:
         raise MlxLlamaError(f"{path}: corrupt GGUF ({type(e).__name__}: {_one_line(e)})") from None
-    return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors})
+    return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors}, [path])
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         "chat_template": None if template is None else {"builtin": match_builtin(template), "chars": len(template)},
         "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in tensors).items())),
         "tensors": len(tensors),
-        "file_bytes": os.path.getsize(gguf.path),
+        "file_bytes": sum(os.path.getsize(part) for part in gguf.parts),
+        "files": len(gguf.parts),
         "tensor_bytes": sum(int(t.n_bytes) for t in tensors),
     }
 
@@ -94,8 +95,9 @@ def format_text(info: dict[str, Any]) -> str:
         return "none" if t is None else f"{t['id']} {t['text']!r}"
 
     params = info["parameters"]
+    split = f" in {info['files']} files" if info["files"] > 1 else ""
     lines = [
-        ("file", f"{info['file']} ({info['file_bytes']:,} bytes, tensors {info['tensor_bytes']:,} bytes)"),
+        ("file", f"{info['file']} ({info['file_bytes']:,} bytes{split}, tensors {info['tensor_bytes']:,} bytes)"),
         ("name", info["name"] or "-"),
         ("architecture", f"{info['architecture']} ({'supported' if info['supported'] else 'not supported'})"),
         ("parameters", f"{_short(params)} ({params:,})"),

@@ -30,7 +30,11 @@ there are, from the fixtures as they are, without converting or quantizing anyth
 
 Qwen3 and Gemma 3 normalize Q and K per head, so scaling their Q/K weights would not make attention
 peaked; their Q/K norm weights are set large instead (QK_NORM_GAIN), so that a wrong window,
-RoPE base or mask changes the logits well past the tests' bars. Not larger: llama.cpp keeps K and V
+RoPE base or mask changes the logits well past the tests' bars.
+
+`split-convert` (the converter's Python, after `convert`) and `split-record` (the reference's) make
+tests/fixtures/split/: the Qwen2 YaRN model converted to Q8_0 by the converter in parts of at
+most ten tensors, as large published models come, and llama.cpp's reference for it. Not larger: llama.cpp keeps K and V
 in float16, and with scores of ~50 (a gain of 4) that rounding alone moved its logits by a KL of 2e-3.
 """
 
@@ -384,6 +388,42 @@ def long_record(target: Path) -> dict:
     return record
 
 
+SPLIT = "qwen2-split-tiny-Q8_0"
+SPLIT_DIR = FIXTURES / "split"
+
+
+def split_convert(args) -> None:
+    """The Qwen2 YaRN fixture's transformers model (made by `convert`) converted again to Q8_0 by
+    llama.cpp's converter, split in parts of at most 10 tensors: tests/fixtures/split/."""
+    llama_cpp = Path(args.llama_cpp).resolve()
+    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    import convert_hf_to_gguf
+    from conversion import base
+
+    pre = read_vocab("qwen2").get("tokenizer.ggml.pre", "default")
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+    SPLIT_DIR.mkdir(parents=True, exist_ok=True)
+    sys.argv = ["convert_hf_to_gguf.py", str(Path(args.work) / "qwen2-yarn-tiny"), "--outtype", "q8_0",
+                "--split-max-tensors", "10", "--outfile", str(SPLIT_DIR / f"{SPLIT}.gguf")]
+    convert_hf_to_gguf.main()
+
+
+def split_record(args) -> None:
+    """llama.cpp's reference for the split model, opened from its first part."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from make_llama_reference import reference
+
+    first = sorted(SPLIT_DIR.glob(f"{SPLIT}-00001-of-*.gguf"))[0]
+    record = reference(first, PROMPTS["qwen2-tiny-Q8_0"])
+    for prompt, text in PROMPTS["qwen2-tiny-Q8_0"].items():
+        record[f"{prompt}/text"] = np.array(text)
+    (ROOT / "tests" / "reference" / "split").mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(ROOT / "tests" / "reference" / "split" / f"{SPLIT}.npz", **record)
+    print(first.name, {k: record[k].tolist() for k in record if k.endswith("greedy")})
+
+
 def add_long(args) -> None:
     """LONG's record added to each reference there is, from its fixture as it is."""
     import numpy as np
@@ -420,8 +460,14 @@ def main() -> None:
     long.add_argument("--work", default="/tmp/mlxllama-arch")
     for step in (conv, quant, long):
         step.add_argument("--only", action="append", metavar="NAME", help="this fixture only (repeatable)")
+    split = sub.add_parser("split-convert")
+    split.add_argument("--llama-cpp", required=True)
+    split.add_argument("--work", default="/tmp/mlxllama-arch")
+    sub.add_parser("split-record")
     args = parser.parse_args()
-    {"convert": convert, "quantize": quantize, "long": add_long}[args.step](args)
+    steps = {"convert": convert, "quantize": quantize, "long": add_long, "split-convert": split_convert,
+             "split-record": split_record}
+    steps[args.step](args)
 
 
 if __name__ == "__main__":
