@@ -4,10 +4,10 @@
 #
 #   bash benchmarks/gpu.sh payload [--llama-cpp]  # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
 #                                                 # gguf, starlette and uvicorn wheels (the rest is
-#                                                 # in the machine's image), xz-compressed and split in parts of 10 MB, so that
+#                                                 # in the machine's image), xz-compressed and split in parts of what 64 MiB less the tree leaves, so that
 #                                                 # each call carries one part beside the repository (64 MiB a call);
-#                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's) to
-#                                                 # the last part
+#                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's)
+#                                                 # as .whl/p0
 #   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the part with
 #                                                 # llama.cpp's source also starts building it in the background
 #   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
@@ -32,7 +32,10 @@ log() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 
 payload() {
     set -e
-    local tmp part=10000000
+    local tmp part tree
+    # Each call carries the working tree and one part within 64 MiB: the parts take what the tree leaves.
+    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 cat 2>/dev/null | wc -c)
+    part=$((64 * 1024 * 1024 - tree - 1000000))
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$tmp/dl" \
@@ -41,7 +44,7 @@ payload() {
     for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
     rm -rf .whl/p[0-9]*
-    split -b $part -d -a 1 "$tmp/site.tar.xz" "$tmp/site.part"
+    split -b $part -d -a 2 "$tmp/site.tar.xz" "$tmp/site.part"
     local i=1
     for f in "$tmp"/site.part*; do mkdir -p ".whl/p$i"; mv "$f" ".whl/p$i/"; i=$((i + 1)); done
     if [ "${1:-}" = --llama-cpp ]; then
@@ -61,8 +64,9 @@ payload() {
             > "$cut/tools/CMakeLists.txt"
         cp -r "$full"/ggml/{CMakeLists.txt,cmake,include} "$cut/ggml/"
         cp -r "$full"/ggml/src/{CMakeLists.txt,*.c,*.cpp,*.h,*.in,ggml-cpu,ggml-cuda,ggml-blas} "$cut/ggml/src/"
-        # with the last, smallest part: a call carries the repository and one part within 64 MiB
-        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > ".whl/p$((i - 1))/llama.cpp.tar.xz"
+        # a part of its own, stashed first so that the build starts early
+        mkdir -p .whl/p0
+        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > .whl/p0/llama.cpp.tar.xz
     fi
     rm -rf "$tmp"
     du -sh .whl/p*
@@ -70,7 +74,7 @@ payload() {
 
 stash() {
     mkdir -p "$work"
-    cp "$1"/site.part* "$work/"
+    cp "$1"/site.part* "$work/" 2> /dev/null
     if [ -f "$1/llama.cpp.tar.xz" ]; then
         tar xJf "$1/llama.cpp.tar.xz" -C "$work"
         setsid nohup bash benchmarks/build_llama_cpp.sh "$work/llama.cpp" "$work/llama-build" \

@@ -105,7 +105,7 @@ def test_explicit_prefill_attention_gives_the_fused_kernels_logits(name):
     fresh prompt and on a prompt after cached tokens."""
     import mlx.core as mx
 
-    runtime = mlxllama.load(find_fixture_model(name))
+    runtime = mlxllama.load(find_fixture_model(name), dtype=mx.float32)  # the same bar on any device
     model, ids = runtime.model, runtime.tokenize("The capital of Italy is Rome. The capital of Japan is Tokyo.")
 
     def runs():
