@@ -31,12 +31,20 @@ def visible(query_pos: mx.array, key_pos: mx.array, window: int) -> mx.array:
     return seen & (key_pos > query_pos - window) if window else seen
 
 
+def keeps_window(start: int, window: int, length: int) -> bool:
+    """Whether a layer cache whose first slot holds position `start`, cut to `length` positions,
+    still holds all a later query sees: everything, or the window - 1 positions before `length`."""
+    return start == 0 or (window > 0 and start <= length - (window - 1))
+
+
 def kv_bytes_per_position(config, dtype: mx.Dtype) -> int:
     """Keys and values of every layer for one position of one sequence."""
     return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype.size
 
 
 class KVCache:
+    window = 0  # it keeps every position (SlidingKVCache keeps a window)
+
     def __init__(self):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -79,10 +87,6 @@ class KVCache:
         """Forget the last n positions (the storage is kept and overwritten later)."""
         self.offset = max(0, self.offset - n)
 
-    def holds(self, length: int) -> bool:
-        """Whether cutting the cache to its first `length` positions leaves all a later query needs."""
-        return length <= self.offset
-
     @property
     def start(self) -> int:
         """The position held in the buffer's first slot."""
@@ -113,7 +117,8 @@ class SlidingKVCache(KVCache):
         return self._start
 
     def holds(self, length: int) -> bool:
-        return length <= self.offset and self._start <= max(0, length - (self.window - 1))
+        """Whether cutting the cache to its first `length` positions leaves all a later query needs."""
+        return length <= self.offset and keeps_window(self._start, self.window, length)
 
     def _start_after(self, new: int) -> int:
         """The position in the first slot once `new` more positions are appended."""

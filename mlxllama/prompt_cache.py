@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, SlidingKVCache
+from .cache import KVCache, SlidingKVCache, keeps_window
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Entry:
     def holds(self, length: int, bounded: bool) -> bool:
         """Whether its first `length` positions can be restored into a cache (bounded: sliding
         layers keep their window only) with everything a later query needs."""
-        return all(start == 0 or (bounded and start <= length - (window - 1))
+        return all(keeps_window(start, window if bounded else 0, length)
                    for start, window in zip(self.starts, self.windows))
 
 
@@ -90,7 +90,7 @@ class PromptCache:
         """Keep a cache its owner is done with for now, as it is (no copy), holding the first
         `cache[0].offset` of `ids`."""
         self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache],
-                  tuple(layer.start for layer in cache), tuple(getattr(layer, "window", 0) for layer in cache))
+                  tuple(layer.start for layer in cache), tuple(layer.window for layer in cache))
 
     def _add(self, ids: tuple[int, ...], layers: list[tuple[mx.array, mx.array]], starts: tuple[int, ...] = (),
              windows: tuple[int, ...] = ()) -> None:

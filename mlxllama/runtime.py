@@ -101,15 +101,18 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
 
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
-    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+    if on_cuda():
         model.attend_prefill_explicitly()
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
 
 
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def cuda_kernels_wanted() -> bool:
-    return (mx.default_device() == mx.gpu and mx.cuda.is_available()
-            and os.environ.get(CUDA_KERNELS_ENV) != "0")
+    return on_cuda() and os.environ.get(CUDA_KERNELS_ENV) != "0"
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

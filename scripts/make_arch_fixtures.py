@@ -305,14 +305,28 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
     return model
 
 
+def converter(llama_cpp: str):
+    """llama.cpp's convert_hf_to_gguf module from its source tree, imported before anything else
+    reads a GGUF, so that `gguf` is the tree's own gguf-py."""
+    root = Path(llama_cpp).resolve()
+    sys.path[:0] = [str(root / "gguf-py"), str(root)]
+    import convert_hf_to_gguf
+
+    return convert_hf_to_gguf
+
+
+def pin_pre_tokenizer(vocab: str) -> None:
+    """A cut-down vocabulary cannot match the converter's hash of a full one: pin `vocab`'s name."""
+    from conversion import base
+
+    pre = read_vocab(vocab).get("tokenizer.ggml.pre", "default")
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+
+
 def convert(args) -> None:
     import torch
 
-    llama_cpp = Path(args.llama_cpp).resolve()
-    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
-    import convert_hf_to_gguf
-    from conversion import base
-
+    convert_hf_to_gguf = converter(args.llama_cpp)
     work = Path(args.work)
     for name, spec in selected(args):
         torch.manual_seed(SEED)
@@ -326,9 +340,7 @@ def convert(args) -> None:
         ids = {f"{k}_token_id": first_special + spec["specials"].index(spec[k]) if spec[k] in spec["specials"]
                else tokens.index(spec[k]) for k in ("bos", "eos") if spec[k] is not None}
         hf_model(name, spec, n_vocab, ids).save_pretrained(out)
-        # The cut-down vocabulary cannot match the converter's hash of a full one: pin the name.
-        pre = read_vocab(spec["vocab"]).get("tokenizer.ggml.pre", "default")
-        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+        pin_pre_tokenizer(spec["vocab"])
         sys.argv = ["convert_hf_to_gguf.py", str(out), "--outtype", "f32", "--outfile", str(work / f"{name}-F32.gguf")]
         convert_hf_to_gguf.main()
 
@@ -395,13 +407,8 @@ SPLIT_DIR = FIXTURES / "split"
 def split_convert(args) -> None:
     """The Qwen2 YaRN fixture's transformers model (made by `convert`) converted again to Q8_0 by
     llama.cpp's converter, split in parts of at most 10 tensors: tests/fixtures/split/."""
-    llama_cpp = Path(args.llama_cpp).resolve()
-    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
-    import convert_hf_to_gguf
-    from conversion import base
-
-    pre = read_vocab("qwen2").get("tokenizer.ggml.pre", "default")
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+    convert_hf_to_gguf = converter(args.llama_cpp)
+    pin_pre_tokenizer("qwen2")
     SPLIT_DIR.mkdir(parents=True, exist_ok=True)
     sys.argv = ["convert_hf_to_gguf.py", str(Path(args.work) / "qwen2-yarn-tiny"), "--outtype", "q8_0",
                 "--split-max-tensors", "10", "--outfile", str(SPLIT_DIR / f"{SPLIT}.gguf")]

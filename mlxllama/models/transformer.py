@@ -13,7 +13,7 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import BatchKVCache, KVCache, SlotCache, causal_mask, make_batch_cache, make_cache
+from ..cache import BatchKVCache, KVCache, SlotCache, causal_mask, make_batch_cache, make_cache, visible
 from .config import ModelConfig
 
 
@@ -223,7 +223,7 @@ def explicit_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     q = q.reshape(batch, kv_heads, groups, length, head_dim).astype(mx.float32) * scale
     scores = q @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
     if isinstance(mask, str):  # "causal": the queries are the last `length` positions
-        mask = mx.arange(keys)[None, :] <= (keys - length + mx.arange(length))[:, None]
+        mask = visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
     if mask is not None:
         if mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
             mask = mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
