@@ -15,10 +15,11 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TextIO
 
 from .batching import Request, generate_batch
+from .constraints import Constraint
 from .errors import MlxLlamaError, parse_json_object
 from .files import open_for_append
 from .generate import GenerationResult, check_fits
@@ -38,7 +39,12 @@ LINE_FIELDS = {
     "template": ((str,), "a built-in template name"),
     "no_template": ((bool,), "true or false"),
     "stop": ((str, list), "a string or a list of strings"),
+    "json_schema": ((dict,), "a JSON Schema object"),
+    "json_object": ((bool,), "true"),
+    "regex": ((str,), "a string"),
+    "grammar": ((str,), "a string (GBNF or Lark)"),
 }
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class BatchSettings:
     max_tokens: int = 256
     stop: Sequence[str] = ()
     compare_template: bool = False
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -82,6 +89,9 @@ def parse_entry(line: str) -> dict:
         raise MlxLlamaError("'max_tokens' must be a non-negative integer")
     if "template" in entry and entry.get("no_template"):
         raise MlxLlamaError("'template' and 'no_template' exclude each other")
+    constraints = [key for key in CONSTRAINT_FIELDS if key in entry]
+    if len(constraints) > 1:
+        raise MlxLlamaError(f"{' and '.join(repr(k) for k in constraints)} exclude each other: give one constraint")
     return entry
 
 
@@ -99,14 +109,18 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     messages = with_system(entry.get("system", settings.system), messages)
     stop = entry.get("stop", settings.stop)
     overrides = {key: entry[key] for key in ("temperature", "seed") if key in entry}
+    constraint = next((Constraint.of(key, entry[key]) for key in CONSTRAINT_FIELDS if key in entry),
+                      settings.constraint)
+    if constraint is not None:
+        constraint.check(runtime.tokenizer)
     request = Request((), entry.get("max_tokens", settings.max_tokens), settings.params.with_overrides(**overrides),
-                      tuple([stop] if isinstance(stop, str) else stop))
+                      tuple([stop] if isinstance(stop, str) else stop), constraint=constraint)
     job = Job(job_id, [], [])
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
         check_fits(len(prompt.ids), runtime.config.context_length)
         job.prompts.append(prompt)
-        job.requests.append(Request(prompt.ids, request.max_tokens, request.params, request.stop))
+        job.requests.append(replace(request, ids=prompt.ids))
     return job
 
 

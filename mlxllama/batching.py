@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
@@ -45,6 +46,8 @@ class Request:
     # alternatives (None: none); prompt_logprobs scores the prompt's tokens too (one forward pass).
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    # What the output must match (a JSON Schema, any JSON object, a regex or a grammar), if anything.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Row:
     def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int):
         self.index, self.request = index, request
         self.sampler = make_sampler(request.params)
+        self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
         self.context = list(request.ids)  # what the repeat penalty looks back on
         self.ids: list[int] = []
         self.collector = TextCollector(tokenizer, request.stop)
@@ -97,11 +101,17 @@ class Row:
             self.logprobs += token_logprobs(logits.reshape(1, -1), [token_id], self.request.logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        if self.guide is not None:
+            self.guide.accept(token_id)
         self.ids.append(token_id)
         self.context.append(token_id)
         self.new_text += self.collector.add(token_id)
         self.finished = self.collector.finish is not None or len(self.ids) >= self.max_tokens
         return self.finished
+
+    def allowed(self, n_logits: int) -> mx.array | None:
+        """The mask of tokens the row's constraint allows next (None: no constraint)."""
+        return self.guide.allowed(n_logits) if self.guide is not None else None
 
     def take_text(self) -> str:
         text, self.new_text = self.new_text, ""
@@ -189,7 +199,7 @@ class BatchDecoder:
         if self.prompt_cache is not None:
             self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
         row, last = joining.row, self.model.head(hidden[:, -1:])[0, -1]
-        if row.accept(row.sampler(last, row.context).item(), last):
+        if row.accept(row.sampler(last, row.context, allowed=row.allowed(last.shape[-1])).item(), last):
             return row
         for layer, row_layer in zip(self.cache, joining.cache):
             layer.add(row_layer)
@@ -201,7 +211,11 @@ class BatchDecoder:
         if not self.rows:
             return []
         logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
-        tokens = mx.stack([row.sampler(logits[i], row.context) for i, row in enumerate(self.rows)]).tolist()
+        if any(row.guide is not None for row in self.rows):
+            mx.async_eval(logits)  # the constraints' masks are built on the host while the device runs the step
+        allowed = [row.allowed(logits.shape[-1]) for row in self.rows]
+        tokens = mx.stack([row.sampler(logits[i], row.context, allowed=allowed[i])
+                           for i, row in enumerate(self.rows)]).tolist()
         # A row's logits go with its token only where the request asked for log-probabilities.
         done = [row.accept(token, logits[i] if row.request.logprobs is not None else None)
                 for i, (row, token) in enumerate(zip(self.rows, tokens))]
@@ -253,7 +267,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
 
 def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], max_tokens: int = 256,
                    params: SamplingParams = SamplingParams(), stop: Sequence[str] = (), batch_size: int = 8,
-                   special: bool = False, **sampling) -> list[GenerationResult]:
+                   special: bool = False, constraint: Constraint | None = None, **sampling) -> list[GenerationResult]:
     """Generate for many prompts with batched decoding; the results come in prompt order.
 
     runtime is what `mlxllama.load` returns. A prompt is a string (tokenized with BOS and no
@@ -268,7 +282,7 @@ def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], ma
         if isinstance(prompt, Request):
             return prompt
         ids = runtime.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
-        return Request(ids, max_tokens, params, tuple(stop))
+        return Request(ids, max_tokens, params, tuple(stop), constraint=constraint)
 
     results: list[GenerationResult | None] = [None] * len(prompts)
     for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size):

@@ -11,9 +11,9 @@ from typing import Callable, Iterator
 
 import click
 
-from .cli_options import (check_no_template, context_option, context_requested, default_model_path, dequantize_option,
-                          dequantize_requested, load_model, model_option, parse_template_kwargs, sampling_options,
-                          sampling_params, template_options)
+from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
+                          dequantize_option, dequantize_requested, load_model, model_option, parse_template_kwargs,
+                          requested_constraint, sampling_options, sampling_params, template_options)
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
 
@@ -115,6 +115,7 @@ def print_prompt(prompt) -> None:
 @click.option("--truncate", is_flag=True,
               help="Cut a prompt too long for the context: keep BOS and its last tokens, leaving room to reply.")
 @sampling_options
+@constraint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
              show_prompt, compare_template, truncate, as_json, **sampling):
@@ -124,6 +125,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     mlxllama generate -p "What is the capital of Japan?"
     mlxllama generate -p "The capital of Italy is" --no-template -n 8
     mlxllama generate -p "What is 17 plus 25?" --compare-template --json
+    mlxllama generate -p "Name a city." --json-schema '{"type": "object", "properties": {"city": {"type": "string"}}}'
     """
     from .prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
 
@@ -132,7 +134,10 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     check_no_template(no_template, system, compare_template, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
+    constraint = requested_constraint()
     runtime = load_model(model_path)
+    if constraint is not None:
+        constraint.check(runtime.tokenizer)
     messages = messages_for(prompt_text, system)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
     runs = [template, NO_TEMPLATE] if compare_template else [template]
@@ -142,7 +147,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         if show_prompt:
             print_prompt(prompt)
         ids = fit_prompt(runtime, prompt.ids, sampling["max_tokens"], truncate)
-        stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"])
+        stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"], constraint=constraint)
         if not as_json:
             if compare_template:
                 click.echo(f"=== {'template: ' + prompt.template if run_template.text else 'no template'} ===")
@@ -236,6 +241,7 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @click.option("--system", metavar="TEXT", help="System message for lines without one.")
 @click.option("--compare-template", is_flag=True, help="Run each prompt with and without its template.")
 @sampling_options
+@constraint_options
 @click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="Format of the summary printed to stderr at the end.")
 def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
@@ -244,6 +250,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
 
     Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
     number), "max_tokens", "temperature", "seed", "system", "template", "no_template", "stop",
+    and one constraint ("json_schema": a schema, "json_object": true, "regex", "grammar"),
     which override the options. Bad lines are reported with their line number and skipped.
     Exit code: 0, or 2 if any line was bad, or 130 after Ctrl-C; run again to resume.
 
@@ -257,11 +264,15 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     check_no_template(no_template, system, compare_template, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
+    constraint = requested_constraint()
     source = "<stdin>" if prompts_file.name == "<stdin>" else prompts_file.name
     with results_output(out_path, None if source == "<stdin>" else source) as (done, out):
         runtime = load_model(model_path)
+        if constraint is not None:
+            constraint.check(runtime.tokenizer)
         settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),
-                                 system, kwargs, params, sampling["max_tokens"], sampling["stop"], compare_template)
+                                 system, kwargs, params, sampling["max_tokens"], sampling["stop"], compare_template,
+                                 constraint)
         stats = run_batch(runtime, prompts_file, source, out, done, settings,
                           lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size)
     click.echo(stats.summary(summary), err=True)

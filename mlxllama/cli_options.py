@@ -136,3 +136,55 @@ def load_model(model_path: str | None, context_length: int | None = None):
     if context_length is None:
         context_length = context_requested()
     return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length)
+
+
+CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                      "grammar": "--grammar"}  # in the order errors name them
+
+
+def constraint_options(f):
+    # Not passed to the command: requested_constraint() reads them, as load_model reads --dequantize.
+    def remember(ctx, param, value):
+        if value:
+            ctx.meta.setdefault("mlxllama.constraint", {})[param.name] = value
+
+    options = [
+        click.option("--json-schema", metavar="FILE_OR_JSON", expose_value=False, callback=remember,
+                     help="Output JSON that validates against this JSON Schema (a file, or the schema itself)."),
+        click.option("--json-object", is_flag=True, expose_value=False, callback=remember,
+                     help="Output one JSON object (any)."),
+        click.option("--regex", metavar="PATTERN", expose_value=False, callback=remember,
+                     help="Output text that matches this regular expression (the whole of it)."),
+        click.option("--grammar", metavar="FILE", expose_value=False, callback=remember,
+                     help="Output text in the language of this grammar (GBNF, as llama.cpp's, or llguidance's Lark)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def requested_constraint():
+    """The Constraint the options ask for, or None; more than one is an error, as is an unreadable file."""
+    from .constraints import Constraint
+
+    given = click.get_current_context().meta.get("mlxllama.constraint", {})
+    if len(given) > 1:
+        named = [option for key, option in CONSTRAINT_OPTIONS.items() if key in given]
+        raise MlxLlamaError(f"{' and '.join(named)} exclude each other: give one constraint")
+    if not given:
+        return None
+    (kind, value), = given.items()
+    if kind == "json_schema" and not value.lstrip().startswith(("{", "true", "false")):
+        value = read_text(value, "--json-schema")
+    elif kind == "grammar":
+        value = read_text(value, "--grammar")
+    return Constraint.of(kind, value)
+
+
+def read_text(path: str, option: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise MlxLlamaError(f"{option}: cannot read {path}: {reason}") from None

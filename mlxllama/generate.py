@@ -9,6 +9,7 @@ from typing import Iterable, Iterator, Sequence
 import mlx.core as mx
 
 from .cache import KVCache
+from .constraints import Guide
 from .errors import MlxLlamaError, count
 from .models import Transformer
 from .sampling import Sampler
@@ -60,12 +61,17 @@ def generate_tokens(
     max_tokens: int,
     stop_ids: Iterable[int] = (),
     history: Sequence[int] = (),
+    guide: Guide | None = None,
 ) -> Iterator[int]:
     """Feed new_ids on top of what the cache holds, then yield up to max_tokens sampled ids.
 
     Every yielded id has already been fed into the cache (the next step is queued before the
     host waits for the current token), so afterwards the cache holds exactly
     history + new_ids + the yielded ids. A stop id is yielded, then generation ends.
+
+    With a guide (a constraint), each token is sampled among those it allows. Its mask for the
+    next token needs the current token's value, so the host reads that while the device runs the
+    next step's forward pass, and builds the mask then: only the sampling waits for it.
     """
     check_fits(len(new_ids), model.config.context_length)
     check_fits(cache[0].offset + len(new_ids), model.config.context_length)
@@ -74,12 +80,21 @@ def generate_tokens(
     max_tokens = min(max_tokens, model.config.context_length - cache[0].offset - len(new_ids))
     if max_tokens <= 0:
         return
-    token = sampler(prefill(model, new_ids, cache), context)
+    logits = prefill(model, new_ids, cache)
+    token = sampler(logits, context, allowed=guide.allowed(logits.shape[-1]) if guide else None)
     mx.async_eval(token)
     for n in range(1, max_tokens + 1):
-        next_token = sampler(model.step(token.reshape(1, 1), cache)[0], context, token)
-        mx.async_eval(next_token)
-        token_id = token.item()
+        logits = model.step(token.reshape(1, 1), cache)[0]
+        if guide is None:
+            next_token = sampler(logits, context, token)
+            mx.async_eval(next_token)
+            token_id = token.item()
+        else:
+            mx.async_eval(logits)
+            token_id = token.item()
+            guide.accept(token_id)
+            next_token = sampler(logits, context, token, guide.allowed(logits.shape[-1]))
+            mx.async_eval(next_token)
         context.append(token_id)
         yield token_id
         if token_id in stop_ids or n == max_tokens:
@@ -230,13 +245,16 @@ class TextStream:
         max_tokens: int,
         stop_strings: Sequence[str] = (),
         new_ids: Sequence[int] | None = None,
+        guide: Guide | None = None,
     ):
-        """new_ids: the suffix of prompt_ids not yet in the cache (default: all of prompt_ids)."""
+        """new_ids: the suffix of prompt_ids not yet in the cache (default: all of prompt_ids);
+        guide: the constraint the output must match, if any."""
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.prompt_ids = list(prompt_ids)
         self.new_ids = self.prompt_ids if new_ids is None else list(new_ids)
         self.sampler, self.max_tokens = sampler, max_tokens
         self.stop_strings = [s for s in stop_strings if s]
+        self.guide = guide
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -246,7 +264,8 @@ class TextStream:
         start = time.perf_counter()
         first_token_time = None
         for token_id in generate_tokens(
-            self.model, self.cache, self.new_ids, self.sampler, self.max_tokens, self.tokenizer.stop_ids, history
+            self.model, self.cache, self.new_ids, self.sampler, self.max_tokens, self.tokenizer.stop_ids, history,
+            self.guide,
         ):
             if first_token_time is None:
                 first_token_time = time.perf_counter()

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .constraints import Constraint, Guide
 from .generate import GenerationResult, TextStream
 from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
@@ -62,20 +63,26 @@ class Runtime:
         return np.array(out[0], dtype=np.float32)
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
-               stop: Sequence[str] = (), special: bool = False, **sampling) -> TextStream:
+               stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,
+               **sampling) -> TextStream:
         """Text pieces as they are generated; the stream's `.result` is set once it is exhausted.
 
         A string prompt is tokenized with BOS and no template; `special` parses control tokens in it.
-        Sampling keywords (temperature=, top_k=, seed=… : the fields of SamplingParams) override `params`.
+        `constraint` (a Constraint: JSON Schema, any JSON object, regex or grammar) is what the
+        output must match. Sampling keywords (temperature=, top_k=, seed=… : the fields of
+        SamplingParams) override `params`.
         """
         params = params.with_overrides(**sampling)
         ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
-        return TextStream(self.model, self.tokenizer, self.new_cache(), ids, make_sampler(params), max_tokens, stop)
+        guide = Guide(constraint, self.tokenizer) if constraint is not None else None
+        return TextStream(self.model, self.tokenizer, self.new_cache(), ids, make_sampler(params), max_tokens, stop,
+                          guide=guide)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
-                 stop: Sequence[str] = (), special: bool = False, **sampling) -> GenerationResult:
+                 stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,
+                 **sampling) -> GenerationResult:
         """The whole continuation at once: `stream(...).run()`; greedy unless the sampling settings say otherwise."""
-        return self.stream(prompt, max_tokens, params, stop, special, **sampling).run()
+        return self.stream(prompt, max_tokens, params, stop, special, constraint, **sampling).run()
 
 
 def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,

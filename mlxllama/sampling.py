@@ -83,21 +83,28 @@ Sampler = Callable[..., mx.array]
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
-    """A function (logits [vocab], ids so far, pending) -> token id as a 0-d mx.array, seeded per sampler.
+    """A function (logits [vocab], ids so far, pending, allowed) -> token id as a 0-d mx.array,
+    seeded per sampler.
 
     `pending` is the token sampled last whose value the host has not read yet (a 0-d array): the
     decode loop queues the next step before waiting for it, and the penalty must still see it.
+    `allowed` (a bool per logit) is a constraint's mask (constraints.Guide): the other tokens are
+    ruled out after the penalties and bias and before temperature, top-k, top-p and min-p, so
+    those filters, and greedy's argmax, choose among allowed tokens only.
     """
     key = mx.random.key(params.seed) if params.seed is not None else None
     generated = GeneratedCounts() if params.presence_penalty or params.frequency_penalty else None
 
-    def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None) -> mx.array:
+    def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None,
+               allowed: mx.array | None = None) -> mx.array:
         nonlocal key
         logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n, pending)
         if generated is not None:
             logits = generated.penalize(logits, params.presence_penalty, params.frequency_penalty)
         if params.logit_bias:
             logits = apply_logit_bias(logits, params.logit_bias)
+        if allowed is not None:
+            logits = mx.where(allowed, logits, mx.array(-float("inf"), logits.dtype))
         if params.temperature <= 0:
             token = mx.argmax(logits, axis=-1)
         else:

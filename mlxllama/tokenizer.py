@@ -322,6 +322,17 @@ class Tokenizer:
             out.append(self.eos_id)  # type: ignore[arg-type]
         return out
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids for ``text`` as it continues text before it: no BOS, and no space prefix.
+
+        What a constraint engine needs to turn the bytes a grammar forces into tokens that decode
+        to exactly those bytes (``encode`` would put SentencePiece's space in front).
+        """
+        out: list[int] = []
+        for frag in self._partition(text, special=False):
+            out.extend([frag] if isinstance(frag, int) else self._encode_fragment(frag))
+        return out
+
     # ---- decoding ---------------------------------------------------------------------------
 
     def _check_id(self, id: int) -> int:

@@ -1,0 +1,184 @@
+"""Constrained decoding: a JSON Schema, a regex or a grammar decides which tokens may come next.
+
+The constraint engine is llguidance (the one behind llama.cpp's structured output): it compiles the
+constraint into a parser over bytes and, given our vocabulary as the bytes each token decodes to,
+answers with the set of tokens that keep the output inside the language. The sampler sets every
+other token's logit to -inf before temperature, top-k and top-p look at them, so greedy decoding
+picks the likeliest allowed token. llguidance is an optional dependency (the `structured` extra,
+also pulled in by `serve`): it is imported only when a constraint is used.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxLlamaError
+from .tokenizer import Tokenizer
+
+# Whitespace between JSON tokens, as llama.cpp's schema grammars allow it: one space, or one or two
+# newlines and an indent of up to 20. Unbounded whitespace would let a model run to max_tokens in it.
+JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
+
+
+class InvalidConstraint(MlxLlamaError):
+    """A schema, regex or grammar the engine rejects; the message is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: `kind` is one of KINDS, `source` the schema (JSON text), the
+    regex or the grammar (GBNF or llguidance's Lark); a json_object needs no source."""
+
+    kind: str
+    source: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidConstraint(f"JSON schema: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidConstraint("JSON schema: expected a JSON object")
+        return cls("json_schema", json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, text: str) -> Constraint:
+        return cls("grammar", text)
+
+    @classmethod
+    def of(cls, kind: str, value: Any) -> Constraint:
+        """From a keyword and its value, as `batch` lines and the Python API give them."""
+        if kind == "json_schema":
+            return cls.json_schema(value)
+        if kind == "json_object":
+            if value is not True:
+                raise InvalidConstraint("json_object must be true")
+            return cls.json_object()
+        if kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise InvalidConstraint(f"{kind} must be a non-empty string")
+            return cls(kind, value)
+        raise InvalidConstraint(f"unknown constraint {kind!r} (known: {', '.join(KINDS)})")
+
+    def llguidance_grammar(self) -> str:
+        """The constraint in llguidance's grammar format (not yet checked: `Guide` compiles it)."""
+        llguidance = engine()
+        options = {"whitespace_pattern": JSON_WHITESPACE}
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=options)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        try:
+            return llguidance.grammar_from("grammar", self.source)
+        except ValueError as e:
+            raise InvalidConstraint(f"grammar: {one_line(str(e))}") from None
+
+    def check(self, tokenizer: Tokenizer) -> None:
+        """Compile it once for this vocabulary, so a bad one is reported before generation starts."""
+        Guide(self, tokenizer)
+
+
+def engine():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401 - the mask helpers live in a submodule
+    except ImportError:
+        raise MlxLlamaError("constrained generation needs llguidance: pip install 'mlxllama[structured]'") from None
+    return llguidance
+
+
+def one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def vocabulary(tokenizer: Tokenizer):
+    """Our vocabulary as llguidance sees it (built once per tokenizer): each token's decoded bytes.
+
+    Tokens that decode to nothing (control, unknown, unused) are given their text behind a 0xff
+    byte, llguidance's mark of a special token, so no text can match them. The tokens that end a
+    generation are llguidance's EOS: it allows them where the constraint is complete.
+    """
+    if tokenizer not in _vocabularies:
+        llguidance = engine()
+        tokens = []
+        for i in range(tokenizer.vocab_size):
+            piece = tokenizer.token_bytes(i)
+            if tokenizer.is_control(i) or not piece:
+                piece = b"\xff" + tokenizer.id_to_piece(i).encode("utf-8")
+            tokens.append(piece)
+        _vocabularies[tokenizer] = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Encoder(tokenizer, tokens)), eos_token=sorted(tokenizer.stop_ids))
+    return _vocabularies[tokenizer]
+
+
+class _Encoder:
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes, EOS/BOS, and a tokenize call."""
+
+    def __init__(self, tokenizer: Tokenizer, tokens: list[bytes]):
+        self.tokenizer, self.tokens = tokenizer, tokens
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_id, tokenizer.bos_id
+        self.special_token_ids = [i for i, t in enumerate(tokens) if t.startswith(b"\xff")]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self.tokenizer.encode_continuation(text)
+
+
+class Guide:
+    """One generation's constraint: which tokens may come next, and the tokens that came."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Tokenizer):
+        llguidance = engine()
+        self.constraint = constraint
+        self.vocab_size = tokenizer.vocab_size
+        self.matcher = llguidance.LLMatcher(vocabulary(tokenizer), constraint.llguidance_grammar(), log_level=0)
+        if self.matcher.is_error():
+            raise InvalidConstraint(f"{NAMES[constraint.kind]}: {one_line(self.matcher.get_error())}")
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        self._fill = llguidance.numpy.fill_next_token_bitmask
+
+    def allowed_ids(self) -> np.ndarray:
+        """A bool per token id: may it come next?"""
+        self._fill(self.matcher, self._bitmask)
+        return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+
+    def allowed(self, n_logits: int) -> mx.array:
+        """allowed_ids() as a mask over a model's n_logits outputs (ids past the vocabulary never allowed)."""
+        mask = self.allowed_ids()
+        if n_logits != len(mask):
+            mask = np.pad(mask, (0, max(0, n_logits - len(mask))))[:n_logits]
+        return mx.array(mask)
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise MlxLlamaError(f"token {token_id} broke the {NAMES[self.constraint.kind]} constraint: "
+                                f"{one_line(self.matcher.get_error())}")
+
+    @property
+    def complete(self) -> bool:
+        """The output so far satisfies the constraint (it may or may not go on)."""
+        return self.matcher.is_accepting()
