@@ -86,7 +86,7 @@ class Row:
         self.prompt_logprobs: list[TokenLogprob] = []
         # Prompt tokens whose keys and values came from the prompt cache, and those fed through the model.
         self.cached_tokens = self.prefilled_tokens = 0
-        self._logprobs_taken = 0
+        self._logprobs_taken = self._ids_taken = 0
         self._result: GenerationResult | None = None
         # Like generate_tokens: never run past the model's context.
         self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
@@ -116,6 +116,11 @@ class Row:
     def take_text(self) -> str:
         text, self.new_text = self.new_text, ""
         return text
+
+    def take_ids(self) -> list[int]:
+        """The generated ids not taken before."""
+        taken, self._ids_taken = self._ids_taken, len(self.ids)
+        return self.ids[taken:]
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The generated tokens' log-probabilities not taken before."""

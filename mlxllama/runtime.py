@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
 from .constraints import Constraint, Guide
+from .errors import MlxLlamaError
 from .generate import GenerationResult, TextStream
 from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
-from .prompt import choose_template, render_messages
+from .prompt import build_prompt, choose_template, render_messages
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
+from .tool_calls import ToolCall, read_tool_choice, read_tools, template_message, tool_use
 from .weights import load_model
 
 # "0" keeps MLX's CUDA backend on the plain step (for comparisons); mlxllama.cuda reads "uncompiled".
@@ -26,6 +29,17 @@ CUDA_KERNELS_ENV = "MLXLLAMA_CUDA_KERNELS"
 def default_dtype() -> mx.Dtype:
     # MLX's CPU backend runs float16 matmuls slower than float32 (it converts), so the CPU gets float32.
     return mx.float16 if mx.default_device() == mx.gpu else mx.float32
+
+
+@dataclass
+class ChatReply:
+    """An assistant turn: its text, the tool calls read from it, and why it ended ("tool_calls"
+    when it made calls, else the generation's "stop" or "length")."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    result: GenerationResult
 
 
 class Runtime:
@@ -77,6 +91,32 @@ class Runtime:
         guide = Guide(constraint, self.tokenizer) if constraint is not None else None
         return TextStream(self.model, self.tokenizer, self.new_cache(), ids, make_sampler(params), max_tokens, stop,
                           guide=guide)
+
+    def chat(self, messages: Sequence[dict], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
+             stop: Sequence[str] = (), template: str | None = None, tools: Sequence[dict] | None = None,
+             tool_choice: Any = "auto", constraint: Constraint | None = None, template_kwargs: dict | None = None,
+             **sampling) -> ChatReply:
+        """One assistant turn for OpenAI-style messages, rendered with the file's chat template (or
+        the built-in `template`).
+
+        `tools` (OpenAI's list of functions) is given to the template as transformers gives it;
+        the reply is read back into tool calls in the template's format (Hermes/Qwen, Llama 3.x,
+        Mistral). `tool_choice` "required" or {"type": "function", "function": {"name": …}} holds
+        the reply to a call with arguments that match the tool's schema; "none" leaves tools out.
+        Messages may carry an assistant's `tool_calls` and `role: "tool"` results.
+        """
+        chosen = choose_template(self.chat_template, name=template)
+        use = tool_use(chosen.text, chosen.label, read_tools(tools or []), read_tool_choice(tool_choice))
+        if use is not None and use.choice != "auto":
+            if constraint is not None:
+                raise MlxLlamaError("a required tool call and a constraint exclude each other")
+            constraint = use.constraint(self.tokenizer)
+        variables = {**(template_kwargs or {}), **(use.template_variables() if use else {})}
+        prompt = build_prompt(self.tokenizer, chosen, [template_message(m) for m in messages], variables)
+        result = self.generate(prompt.ids, max_tokens, params, stop, constraint=constraint, **sampling)
+        content, calls = use.read_reply(self.tokenizer, result.token_ids) if use else (result.text, [])
+        return ChatReply(content if calls else result.text, calls, "tool_calls" if calls else result.finish_reason,
+                         result)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                  stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,

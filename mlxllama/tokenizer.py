@@ -356,6 +356,18 @@ class Tokenizer:
             chunks[1] = chunks[1][1:]
         return b"".join(chunks).decode("utf-8", errors="replace")
 
+    def decode_with_special_tokens(self, ids: Sequence[int]) -> str:
+        """``decode``, but control tokens spelled out (``llama_token_to_piece(..., special=true)``):
+        what a reader of tool calls needs, whose markers ([TOOL_CALLS], <|python_tag|>) are control tokens."""
+        pieces = [self._texts[i].encode("utf-8") if self._attrs[i] & ATTR_CONTROL else self._pieces[i]
+                  for i in map(self._check_id, ids)]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def control_id(self, text: str) -> int | None:
+        """The id of the control token spelled `text`, if the vocabulary has one."""
+        token = self._token_to_id.get(text)
+        return token if token is not None and self.is_control(token) else None
+
     def id_to_piece(self, id: int) -> str:
         """The raw vocabulary string of token ``id`` (e.g. "▁Hello", "<0x0A>", "</s>")."""
         return self._raw[self._check_id(id)]

@@ -286,8 +286,17 @@ def _step(model: Transformer, tokens: mx.array, position: mx.array, *buffers: mx
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:
     """MLX's `freqs` for RoPE with per-pair factors (rope_periods); None for plain RoPE, which MLX
-    computes from the base itself."""
-    return None if config.rope_freq_factors is None else rope_periods(config)
+    computes from the base itself.
+
+    Evaluated here, in the loading thread: left lazy (it is no parameter, so loading does not
+    evaluate it), it would be computed on the stream of the thread that made it, which the server's
+    engine thread cannot use ("There is no Stream(cpu, 0) in current thread").
+    """
+    if config.rope_freq_factors is None:
+        return None
+    freqs = rope_periods(config)
+    mx.eval(freqs)
+    return freqs
 
 
 def rope_periods(config: ModelConfig) -> mx.array:

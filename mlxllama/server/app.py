@@ -30,6 +30,7 @@ from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
 from ..sampling import SamplingParams
 from .engine import Engine, Overloaded, Ticket, TooLarge
+from ..tool_calls import ToolCallStream, ToolUse, tool_use
 from .protocol import ApiError, Settings, read_anthropic, read_messages, read_prompt, read_settings
 
 
@@ -77,9 +78,13 @@ class Api:
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         async def handle(body: dict) -> Response:
-            settings = read_settings(body, self.settings.params, self.settings.max_tokens, {"messages"})
-            prompt = self._chat_prompt(self._template(settings.template), read_messages(body), settings.template_kwargs)
-            return await self._respond(prompt, settings, chat=True)
+            settings = read_settings(body, self.settings.params, self.settings.max_tokens,
+                                     {"messages", "tools", "tool_choice"})
+            template = self._template(settings.template)
+            use = self._tool_use(template, settings)
+            variables = {**settings.template_kwargs, **(use.template_variables() if use else {})}
+            prompt = self._chat_prompt(template, read_messages(body), variables)
+            return await self._respond(prompt, settings, chat=True, tools=use)
 
         return await self._guarded(request, handle)
 
@@ -177,6 +182,23 @@ class Api:
         except MlxLlamaError as e:
             raise ApiError(str(e), "messages") from None
 
+    def _tool_use(self, template: Template, settings: Settings) -> ToolUse | None:
+        """The request's tools, in the template's call format; a required call becomes the
+        request's constraint (so it cannot also have a response_format)."""
+        try:
+            use = tool_use(template.text, template.label, settings.tools, settings.tool_choice)
+        except MlxLlamaError as e:
+            raise ApiError(str(e), "tool_choice" if "no tool named" in str(e) else "tools") from None
+        if use is not None and use.choice != "auto":
+            if settings.constraint is not None:
+                raise ApiError("'response_format' cannot be combined with a required tool call", "response_format")
+            try:
+                settings.constraint = use.constraint(self.runtime.tokenizer)
+                settings.constraint.check(self.runtime.tokenizer)
+            except MlxLlamaError as e:
+                raise ApiError(f"tools: {e}", "tools") from None
+        return use
+
     def _template(self, name: str | None) -> Template:
         if name is None:
             return self.settings.template
@@ -187,18 +209,25 @@ class Api:
         except MlxLlamaError as e:
             raise ApiError(str(e), "chat_template") from None
 
-    async def _respond(self, prompt: Prompt, settings: Settings, chat: bool | None) -> Response:
+    async def _respond(self, prompt: Prompt, settings: Settings, chat: bool | None,
+                       tools: ToolUse | None = None) -> Response:
         """The answer to a prompt: OpenAI's chat (chat True) or text completion (False), or Anthropic's message (None)."""
         vocab = self.runtime.tokenizer.vocab_size
         if any(token >= vocab for token, _ in settings.params.logit_bias):
             raise ApiError(f"'logit_bias' names a token id outside the vocabulary of {vocab}", "logit_bias")
+        if settings.constraint is not None and tools is None:
+            try:
+                settings.constraint.check(self.runtime.tokenizer)
+            except MlxLlamaError as e:
+                raise ApiError(f"response_format: {e}", "response_format") from None
         try:
             check_fits(len(prompt.ids), self.runtime.config.context_length)
         except MlxLlamaError as e:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,
-                          prompt_logprobs=settings.echo and settings.logprobs is not None)
-        completion = OpenAICompletion(self, prompt, settings, chat) if chat is not None else AnthropicMessage(
+                          prompt_logprobs=settings.echo and settings.logprobs is not None,
+                          constraint=settings.constraint)
+        completion = OpenAICompletion(self, prompt, settings, chat, tools) if chat is not None else AnthropicMessage(
             self, prompt, settings)
         try:
             events = completion.submit(request)
@@ -252,7 +281,8 @@ class Completion:
             while True:
                 kind, value = await events.get()
                 if kind == "text":
-                    yield self.stream_text(*value)
+                    if event := self.stream_text(*value):
+                        yield event
                 elif kind == "error":
                     yield self.stream_error(value)
                     return
@@ -281,16 +311,26 @@ class Completion:
 
 
 class OpenAICompletion(Completion):
-    """/v1/chat/completions and /v1/completions: whole, or chunks as `data:` events ending in [DONE]."""
+    """/v1/chat/completions and /v1/completions: whole, or chunks as `data:` events ending in [DONE].
 
-    def __init__(self, api: Api, prompt: Prompt, settings: Settings, chat: bool):
+    A chat request with tools has its reply read for calls: they come as the message's
+    `tool_calls` with finish_reason "tool_calls"; streamed, the text goes out until a call may
+    start, and each call comes as one `tool_calls` delta at the end."""
+
+    def __init__(self, api: Api, prompt: Prompt, settings: Settings, chat: bool, tools: ToolUse | None = None):
         super().__init__(api, prompt, settings)
         self.chat = chat
+        self.tools = tools
+        self.call_stream = ToolCallStream(tools, api.runtime.tokenizer) if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
     def whole_body(self, result: GenerationResult, row: Row) -> dict:
         logprobs = self._logprobs(row.logprobs, row.prompt_logprobs)
-        if self.chat:
+        content, calls = self.tools.read_reply(self.api.runtime.tokenizer, row.ids) if self.tools else ("", [])
+        if calls:
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
+            choice = {"index": 0, "message": message, "finish_reason": "tool_calls", "logprobs": logprobs}
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "finish_reason": result.finish_reason, "logprobs": logprobs}
         else:
@@ -304,14 +344,26 @@ class OpenAICompletion(Completion):
             return [_data(self._chunk({"role": "assistant", "content": ""}))]
         return [_data(self._chunk(self.prompt.text))] if self.settings.echo else []
 
-    def stream_text(self, piece: str, logprobs: list) -> str:
+    def stream_text(self, piece: str, logprobs: list, ids: list[int]) -> str:
+        if self.call_stream is not None:
+            piece = self.call_stream.add(piece, ids)
+        if not piece and not logprobs:
+            return ""
         return _data(self._chunk({"content": piece} if self.chat else piece, logprobs=self._logprobs(logprobs, [])))
 
     def stream_error(self, error: BaseException) -> str:
         return _data(ApiError(f"generation failed ({type(error).__name__})", status=500, kind="server_error").body())
 
     def stream_end(self, result: GenerationResult, row: Row) -> list[str]:
-        events = [_data(self._chunk({} if self.chat else "", result.finish_reason, self.prompt_extras(result)))]
+        events, finish_reason = [], result.finish_reason
+        if self.call_stream is not None:
+            rest, calls = self.call_stream.finish(result.text, row.ids)
+            if rest:
+                events.append(_data(self._chunk({"content": rest})))
+            events += [_data(self._chunk({"tool_calls": [{"index": i, **call.as_openai()}]}))
+                       for i, call in enumerate(calls)]
+            finish_reason = "tool_calls" if calls else finish_reason
+        events.append(_data(self._chunk({} if self.chat else "", finish_reason, self.prompt_extras(result))))
         if self.settings.include_usage:
             events.append(_data({**self._head(), "choices": [], "usage": self._usage(result)}))
         return events + ["data: [DONE]\n\n"]
@@ -381,7 +433,9 @@ class AnthropicMessage(Completion):
                 _named("content_block_start", {"type": "content_block_start", "index": 0,
                                                "content_block": {"type": "text", "text": ""}})]
 
-    def stream_text(self, piece: str, logprobs: list) -> str:
+    def stream_text(self, piece: str, logprobs: list, ids: list[int]) -> str:
+        if not piece:
+            return ""
         return _named("content_block_delta", {"type": "content_block_delta", "index": 0,
                                               "delta": {"type": "text_delta", "text": piece}})
 

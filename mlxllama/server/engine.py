@@ -26,12 +26,12 @@ from ..prompt_cache import PromptCache
 
 @dataclass
 class Ticket:
-    """One request in the engine: `on_text((piece, logprobs))` as text becomes final (with the
-    log-probabilities of the tokens since, when asked for), then `on_done(row)` or
+    """One request in the engine: `on_text((piece, logprobs, ids))` as tokens come (the text they
+    made final, their log-probabilities when asked for, their ids), then `on_done(row)` or
     `on_error(exception)`, all called from the engine's thread."""
 
     request: Request
-    on_text: Callable[[tuple[str, list]], None]
+    on_text: Callable[[tuple[str, list, list[int]]], None]
     on_done: Callable[[Row], None]
     on_error: Callable[[BaseException], None]
     cancelled: bool = False
@@ -169,9 +169,9 @@ class Engine:
 
     @staticmethod
     def _hand_on(ticket: Ticket) -> None:
-        text, logprobs = ticket.row.take_text(), ticket.row.take_logprobs()
-        if text or logprobs:
-            ticket.on_text((text, logprobs))
+        text, logprobs, ids = ticket.row.take_text(), ticket.row.take_logprobs(), ticket.row.take_ids()
+        if text or logprobs or ids:
+            ticket.on_text((text, logprobs, ids))
 
     def _drop_cancelled(self) -> None:
         gone = [t for t in self.tickets if t.cancelled]

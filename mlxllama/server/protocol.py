@@ -10,12 +10,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..constraints import Constraint, InvalidConstraint
+from ..errors import MlxLlamaError
 from ..sampling import InvalidSampling, SamplingParams
+from ..tool_calls import Tool, read_tool_choice, read_tools, template_message
 
 # Fields a client may send that change nothing here (OpenAI's bookkeeping).
 IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier"}
 # Fields of OpenAI's API this server does not implement yet: refused rather than silently ignored.
-NOT_YET = {"tools", "tool_choice", "response_format", "suffix", "best_of", "functions", "function_call"}
+NOT_YET = {"suffix", "best_of", "functions", "function_call", "parallel_tool_calls"}
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
@@ -45,6 +48,9 @@ class Settings:
     return_prompt: bool
     logprobs: int | None = None  # log-probabilities of the generated tokens, with this many alternatives
     echo: bool = False  # /v1/completions: the prompt back in the text, and its tokens' log-probabilities
+    constraint: Constraint | None = None  # response_format's JSON object or JSON Schema
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # "none", "auto", "required" or the name of the tool to call
 
 
 def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int, known: set[str]) -> Settings:
@@ -54,7 +60,7 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
             raise ApiError(f"'{name}' is not supported by this server yet", name)
         if name not in known | IGNORED | set(SAMPLING_FIELDS) | {"logprobs", "top_logprobs", "echo"} | {
                 "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template", "logit_bias",
-                "chat_template_kwargs", "return_prompt"}:
+                "chat_template_kwargs", "return_prompt", "response_format"}:
             raise ApiError(f"unknown field '{name}'", name)
     if body.get("n", 1) != 1:
         raise ApiError("only n = 1 is supported", "n")
@@ -95,8 +101,49 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
     return_prompt = body.get("return_prompt", False)
     if not isinstance(return_prompt, bool):
         raise ApiError("'return_prompt' must be true or false", "return_prompt")
+    tools, tool_choice = read_tool_fields(body) if "tools" in known else ((), "auto")
     return Settings(max_tokens, params, tuple(stop), stream, bool(options.get("include_usage")), template, kwargs,
-                    return_prompt, *read_logprobs(body, chat="messages" in known))
+                    return_prompt, *read_logprobs(body, chat="messages" in known),
+                    constraint=read_response_format(body.get("response_format")), tools=tools, tool_choice=tool_choice)
+
+
+def read_response_format(value: Any) -> Constraint | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict"}} (llama-server's {"type":
+    "json_object", "schema": {...}} too). The schema is compiled when the request is answered."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return Constraint.json_schema(value["schema"]) if "schema" in value else Constraint.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError("'response_format.json_schema' must be an object with a 'schema' object",
+                               "response_format")
+            return Constraint.json_schema(spec.get("schema", {}))
+    except InvalidConstraint as e:
+        raise ApiError(f"response_format: {e}", "response_format") from None
+    raise ApiError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                   "response_format")
+
+
+def read_tool_fields(body: dict) -> tuple[tuple[Tool, ...], str]:
+    try:
+        tools = tuple(read_tools(body["tools"])) if body.get("tools") is not None else ()
+    except MlxLlamaError as e:
+        raise ApiError(str(e), "tools") from None
+    try:
+        choice = read_tool_choice(body.get("tool_choice"))
+    except MlxLlamaError as e:
+        raise ApiError(str(e), "tool_choice") from None
+    if choice not in ("none", "auto") and not tools:
+        raise ApiError(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
+    return tools, choice
 
 
 def read_logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
@@ -132,7 +179,8 @@ def read_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def read_messages(body: dict) -> list[dict[str, Any]]:
-    """The chat messages, each content as text (a string, or a list of text parts joined)."""
+    """The chat messages, each content as text (a string, or a list of text parts joined), with an
+    assistant's tool_calls and a tool result's tool_call_id and name kept for the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", "messages")
@@ -140,7 +188,22 @@ def read_messages(body: dict) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
-        out.append({"role": message["role"], "content": read_content(message.get("content"), f"messages[{i}].content")})
+        calls = message.get("tool_calls")
+        content = message.get("content")
+        if calls is not None:
+            if message["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise ApiError(f"messages[{i}].tool_calls must be an assistant's list of "
+                               "{\"function\": {\"name\", \"arguments\"}} objects", f"messages[{i}].tool_calls")
+        read = {"role": message["role"],
+                "content": "" if content is None and calls else read_content(content, f"messages[{i}].content")}
+        if calls:
+            read["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                read[key] = message[key]
+        out.append(template_message(read))
     return out
 
 

@@ -143,7 +143,7 @@ def test_a_client_that_goes_away_frees_its_row(server):
     (json.dumps({"messages": JAPAN, "temperature": "hot"}), "temperature", "'temperature' must be a number"),
     (json.dumps({"messages": JAPAN, "top_p": 0}), "top_p", "'top_p' must be a number in (0, 1]"),
     (json.dumps({"messages": JAPAN, "chat_template": "nope"}), "chat_template", "unknown chat template"),
-    (json.dumps({"messages": JAPAN, "tools": []}), "tools", "not supported by this server yet"),
+    (json.dumps({"messages": JAPAN, "functions": []}), "functions", "not supported by this server yet"),
     (json.dumps({"messages": JAPAN, "top_logprobs": 3}), "top_logprobs", "with 'logprobs': true"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}), "messages", "more than the model's context"),
 ])
