@@ -17,10 +17,12 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
-from .generate import prefill
+from .generate import generate_tokens, prefill
 from .gguf_file import open_gguf
 from .runtime import Runtime, load
+from .sampling import SamplingParams, make_sampler
 
 
 @dataclass
@@ -108,9 +110,29 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
     return time.perf_counter() - start
 
 
+def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | None) -> tuple[float, int]:
+    """(seconds, tokens) for up to n_gen greedy tokens of one sequence through the generation loop
+    (generate_tokens), under `constraint` or none, timed from the first token (after a one-token
+    prompt). Without a constraint stop tokens do not end it; with one, a stop token where the
+    output is complete does (a schema of long outputs keeps that rare)."""
+    guide = Guide(constraint, runtime.tokenizer) if constraint is not None else None
+    stop_ids = runtime.tokenizer.stop_ids if guide else ()
+    tokens = generate_tokens(runtime.model, runtime.new_cache(), random_ids(runtime, 1, 1, seed)[0],
+                             make_sampler(SamplingParams()), n_gen + 1, stop_ids, guide=guide)
+    next(tokens)
+    start, count = time.perf_counter(), 0
+    for _ in tokens:
+        count += 1
+    return time.perf_counter() - start, count
+
+
 def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
-        dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None) -> BenchReport:
-    """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test."""
+        dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None,
+        constraint: Constraint | None = None) -> BenchReport:
+    """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test.
+
+    With a constraint, two more tests of one sequence through the generation loop, side by side:
+    `tg<n_gen> loop` without it and `tg<n_gen> constrained` with it (the price of the masks)."""
     tensor_bytes, params = file_tensor_stats(path)
     # Memory is counted from here, so arrays that the calling process already holds are left out.
     held_before = mx.get_active_memory()
@@ -124,6 +146,8 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,
     )
     mx.reset_peak_memory()
+    if constraint is not None:
+        constraint.check(runtime.tokenizer)
     context = runtime.config.context_length
     if n_prompt > context or n_gen + 1 > context:
         raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} do not fit the model's context of {context} tokens")
@@ -134,11 +158,19 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         for b in batches:
             tests.append((f"tg{n_gen}", b, 0, n_gen,
                           lambda seed, b=b: b * n_gen / time_generation(runtime, b, n_gen, seed)))
+    if n_gen and constraint is not None:
+        for name, used in ((f"tg{n_gen} loop", None), (f"tg{n_gen} constrained", constraint)):
+            tests.append((name, 1, 0, n_gen, lambda seed, used=used: rate(time_loop(runtime, n_gen, seed, used))))
     for name, batch, pp, tg, measure in tests:
         measure(repetitions)  # warm-up, on ids no timed run uses
         report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)]))
     report.run_peak_bytes = mx.get_peak_memory() - held_before
     return report
+
+
+def rate(timing: tuple[float, int]) -> float:
+    seconds, tokens = timing
+    return tokens / seconds if tokens else 0.0
 
 
 def device_name() -> str:

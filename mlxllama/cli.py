@@ -352,6 +352,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @click.option("--repetitions", "-r", default=5, show_default=True, help="Timed runs of each test, after a warm-up.")
 @dequantize_option
 @context_option
+@constraint_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, as_json):
     """Prompt (pp) and generation (tg) tokens/s, load time and memory, in the style of llama-bench.
@@ -359,6 +360,7 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
     \b
     mlxllama bench -m model.gguf -p 512 -n 128 -b 1,8,16
     mlxllama bench --synthetic tinyllama-1.1b --quant Q4_K_M --json
+    mlxllama bench -p 0 -n 128 --json-schema benchmarks/long-array.schema.json
     """
     import tempfile
 
@@ -376,7 +378,8 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
             if not os.path.exists(model_path):
                 synthetic_models.write(model_path, synthetic, quant)
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
-                           dequantize=dequantize_requested(), context_length=context_requested())
+                           dequantize=dequantize_requested(), context_length=context_requested(),
+                           constraint=requested_constraint())
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
 
 

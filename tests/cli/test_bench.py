@@ -72,3 +72,11 @@ def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
     ours, ref = native.logits(ids), dense.logits(ids)
     assert np.isfinite(ours).all() and np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert len(native.generate(ids, max_tokens=3).token_ids) == 3
+
+
+def test_bench_with_a_constraint_times_the_loop_with_and_without_it():
+    report = run_bench("-p", "0", "-n", "8", "--json-schema", "benchmarks/long-array.schema.json")
+    assert [(t["name"], t["batch"]) for t in report["tests"]] == [("tg8", 1), ("tg8 loop", 1), ("tg8 constrained", 1)]
+    assert all(t["tokens_per_second"] > 0 for t in report["tests"])
+    result = CliRunner().invoke(main, ["bench", "-n", "4", "--regex", "("])
+    assert result.exit_code == 2 and "regex: " in result.stderr
