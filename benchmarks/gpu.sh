@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu.sh test [PYTEST ARGS]     # there: the whole suite on the GPU (tests/cuda runs only there)
 #   bash benchmarks/gpu.sh bench                  # there: bench with the kernels, the plain step and --dequantize,
 #                                                 # profiles, the kernel trace, then llama-bench and llama-batched-bench
+#   bash benchmarks/gpu.sh structured             # there: tg128 with and without a JSON Schema (bench --json-schema),
+#                                                 # with the kernels and on the plain step
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
 #
@@ -38,8 +40,10 @@ payload() {
     part=$((64 * 1024 * 1024 - tree - 1000000))
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$tmp/dl" \
-        mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform any -d "$tmp/dl" \
+        mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0 llguidance==1.9.1 \
+        jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
     mkdir -p "$tmp/site"
     for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
@@ -162,6 +166,19 @@ serve_bench() {  # each concurrency: our server, then llama-server, the same cli
 json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in glob.glob('$out/serve-*.json')]"
 }
 
+structured() {  # the price of a constraint's masks, side by side with the same loop without one
+    mkdir -p "$out"
+    for kernels in 1 0; do
+        log "mlxllama bench --json-schema, MLXLLAMA_CUDA_KERNELS=$kernels"
+        for round in 1 2; do
+            MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 -m mlxllama bench -m "$model" -p 0 -n 128 -r 5 \
+                --json-schema benchmarks/long-array.schema.json --json > "$out/structured-$kernels-$round.json"
+            python3 -c "import json; r = json.load(open('$out/structured-$kernels-$round.json'))
+print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev'], 1)) for t in r['tests']])"
+        done
+    done
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
@@ -169,5 +186,6 @@ case ${1:-} in
     test) shift; run_tests "$@" ;;
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
-    *) sed -n '2,20p' "$0"; exit 2 ;;
+    structured) structured ;;
+    *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
