@@ -160,6 +160,9 @@ class Guide:
             raise InvalidConstraint(f"{NAMES[constraint.kind]}: {one_line(self.matcher.get_error())}")
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         self._fill = llguidance.numpy.fill_next_token_bitmask
+        # Bit i of each 32-bit word, kept on the device: only the words cross from the host each step.
+        self._bits = mx.arange(32, dtype=mx.uint32)
+        mx.eval(self._bits)
 
     def allowed_ids(self) -> np.ndarray:
         """A bool per token id: may it come next?"""
@@ -167,11 +170,15 @@ class Guide:
         return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
     def allowed(self, n_logits: int) -> mx.array:
-        """allowed_ids() as a mask over a model's n_logits outputs (ids past the vocabulary never allowed)."""
-        mask = self.allowed_ids()
-        if n_logits != len(mask):
-            mask = np.pad(mask, (0, max(0, n_logits - len(mask))))[:n_logits]
-        return mx.array(mask)
+        """The next token's mask over a model's n_logits outputs (ids past the vocabulary never
+        allowed), unpacked on the device from llguidance's bitmask: on MLX's CUDA backend an array
+        made on the host is read across the bus, so the host sends 4 bytes per 32 tokens, not 32."""
+        self._fill(self.matcher, self._bitmask)
+        words = mx.array(self._bitmask[0].view(np.uint32))
+        mask = ((words[:, None] >> self._bits) & 1).reshape(-1).astype(mx.bool_)
+        if n_logits > mask.size:
+            return mx.concatenate([mask, mx.zeros(n_logits - mask.size, mx.bool_)])
+        return mask[:n_logits] if n_logits < mask.size else mask
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):

@@ -94,6 +94,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
     """
     key = mx.random.key(params.seed) if params.seed is not None else None
     generated = GeneratedCounts() if params.presence_penalty or params.frequency_penalty else None
+    ruled_out = mx.array(-float("inf"), mx.float32)  # made once: a new host scalar a step costs a transfer on CUDA
 
     def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None,
                allowed: mx.array | None = None) -> mx.array:
@@ -104,7 +105,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
         if params.logit_bias:
             logits = apply_logit_bias(logits, params.logit_bias)
         if allowed is not None:
-            logits = mx.where(allowed, logits, mx.array(-float("inf"), logits.dtype))
+            logits = mx.where(allowed, logits, ruled_out.astype(logits.dtype))
         if params.temperature <= 0:
             token = mx.argmax(logits, axis=-1)
         else:
