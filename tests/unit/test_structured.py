@@ -76,12 +76,19 @@ def test_encode_continuation_adds_no_space_prefix_and_no_bos():
     assert tokenizer.encode("{", add_bos=False) != tokenizer.encode_continuation("{")
 
 
+def near_tie(rt) -> float:
+    """How far apart two logits may be and still count as a tie between two computations of them:
+    float32 on the CPU; float16 on a GPU (CUDA kernels for decode steps, MLX's matmuls for a
+    full pass), where test_llama_parity.py's bar for llama.cpp's float16 logits serves."""
+    return 1e-3 if rt.model.compute_dtype == mx.float32 else 0.08
+
+
 def replay(rt, constraint: Constraint, prompt: list[int], ids: list[int], greedy: bool) -> None:
     """Every generated token was allowed where it came; greedy ones were the likeliest allowed.
 
     The logits come from one fresh pass over prompt + output, a different computation from the
     cached decode steps, so "likeliest" holds up to near-ties: the chosen token's logit is within
-    1e-3 of the best allowed logit.
+    near_tie() of the best allowed logit.
     """
     guide = Guide(constraint, rt.tokenizer)
     logits = rt.logits(prompt + ids)[len(prompt) - 1:] if greedy else None
@@ -90,8 +97,26 @@ def replay(rt, constraint: Constraint, prompt: list[int], ids: list[int], greedy
         assert allowed[token], f"token {n} ({token}) was not allowed"
         if greedy:
             row = logits[n][: len(allowed)]
-            assert row[token] >= row[allowed].max() - 1e-3, f"token {n} was not the likeliest allowed"
+            assert row[token] >= row[allowed].max() - near_tie(rt), f"token {n} was not the likeliest allowed"
         guide.accept(token)
+
+
+def assert_same_up_to_a_near_tie(rt, constraint, prompt: list[int], ids: list[int], other: list[int]) -> None:
+    """Two greedy outputs under one constraint are equal, or part where the two likeliest allowed
+    tokens are a near-tie (on the CPU, batched and lone rows compute bit-identical logits; MLX's
+    CUDA backend rounds a batch's rows differently from one sequence's)."""
+    common = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), None)
+    if common is None:
+        assert len(ids) == len(other) or rt.model.compute_dtype != mx.float32
+        return
+    assert rt.model.compute_dtype != mx.float32, f"they part at token {common} on the CPU"
+    guide = Guide(constraint, rt.tokenizer) if constraint else None
+    for token in ids[:common]:
+        if guide:
+            guide.accept(token)
+    row = rt.logits(prompt + ids[:common])[-1][: rt.tokenizer.vocab_size]
+    allowed = guide.allowed_ids() if guide else np.ones(len(row), bool)
+    assert abs(row[ids[common]] - row[other[common]]) < near_tie(rt) and allowed[other[common]]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -121,7 +146,8 @@ def test_a_batch_row_generates_what_the_constraint_generates_alone(name):
                    Constraint.regex(r"[a-z ]{1,20}\."), Constraint.json_schema(SCHEMAS["todo_list"])]
     batched = batch_generate(rt, [Request(prompt, 40, constraint=c) for c in constraints], batch_size=4)
     for constraint, result in zip(constraints, batched):
-        assert result.token_ids == rt.generate(prompt, 40, constraint=constraint).token_ids
+        alone = rt.generate(prompt, 40, constraint=constraint).token_ids
+        assert_same_up_to_a_near_tie(rt, constraint, prompt, result.token_ids, alone)
 
 
 def test_where_the_free_output_already_matches_the_constrained_output_is_identical():
