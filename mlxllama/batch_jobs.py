@@ -24,6 +24,7 @@ from .errors import MlxLlamaError, parse_json_object
 from .files import open_for_append
 from .generate import GenerationResult, check_fits
 from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
+from .prompt_files import SavedPrefix
 from .sampling import SamplingParams
 
 # Keys an input line may carry, the types each accepts, and how to say so; other keys are ignored,
@@ -59,6 +60,7 @@ class BatchSettings:
     stop: Sequence[str] = ()
     compare_template: bool = False
     constraint: Constraint | None = None
+    prompt_cache: SavedPrefix | None = None  # lines' prompts must start with it; only what follows is prefilled
 
 
 @dataclass
@@ -119,6 +121,8 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
         check_fits(len(prompt.ids), runtime.config.context_length)
+        if settings.prompt_cache is not None:
+            settings.prompt_cache.check_starts(prompt.ids)
         job.prompts.append(prompt)
         job.requests.append(replace(request, ids=prompt.ids))
     return job
@@ -295,7 +299,8 @@ class BatchStats:
 Progress = Callable[[int], ContextManager[Callable[[], None]]]
 
 
-def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress) -> None:
+def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress,
+             prompt_cache: SavedPrefix | None = None) -> None:
     """Run the jobs with batched decoding, writing each record in order; Ctrl-C stops after the current step."""
     requests, owners = [], []
     for position, job in enumerate(jobs):
@@ -306,7 +311,8 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
     writer = OrderedWriter(out)
     start = time.perf_counter()
     with progress(len(jobs)) as written, Interruptible() as interrupt:
-        for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size):
+        store = prompt_cache.store() if prompt_cache is not None else None
+        for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size, store):
             for index, result in finished:
                 position, run = owners[index]
                 results[position][run] = result
@@ -336,5 +342,5 @@ def run_batch(runtime, lines: Iterable[str], source: str, out: TextIO, done: set
     except UnicodeDecodeError as e:
         raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
-    run_jobs(runtime, jobs, out, batch_size, stats, progress)
+    run_jobs(runtime, jobs, out, batch_size, stats, progress, settings.prompt_cache)
     return stats

@@ -246,14 +246,15 @@ class BatchDecoder:
                 layer.keep(keep)
 
 
-def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request],
-                   batch_size: int = 8) -> Iterator[list[tuple[int, GenerationResult]]]:
-    """Generate every request, up to batch_size rows per decode step, admitting requests in order.
+def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request], batch_size: int = 8,
+                   prompt_cache: PromptCache | None = None) -> Iterator[list[tuple[int, GenerationResult]]]:
+    """Generate every request, up to batch_size rows per decode step, admitting requests in order
+    (a prompt that starts as one in `prompt_cache` prefills only the rest).
 
     After each step, yields the requests that finished in it as (index in requests, result),
     often none, so a caller can write results as they come and stop cleanly between steps.
     """
-    decoder = BatchDecoder(model, tokenizer, batch_size)
+    decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache)
     for request in requests:
         check_fits(len(request.ids), model.config.context_length)
     waiting = deque(enumerate(requests))

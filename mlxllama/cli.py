@@ -12,8 +12,9 @@ from typing import Callable, Iterator
 import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
-                          dequantize_option, dequantize_requested, load_model, model_option, parse_template_kwargs,
-                          requested_constraint, sampling_options, sampling_params, template_options)
+                          dequantize_option, dequantize_requested, load_model, load_prompt_cache, model_option,
+                          parse_template_kwargs, prompt_cache_option, requested_constraint, sampling_options,
+                          sampling_params, template_options)
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
 
@@ -116,9 +117,10 @@ def print_prompt(prompt) -> None:
               help="Cut a prompt too long for the context: keep BOS and its last tokens, leaving room to reply.")
 @sampling_options
 @constraint_options
+@prompt_cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-             show_prompt, compare_template, truncate, as_json, **sampling):
+             show_prompt, compare_template, truncate, prompt_cache_file, as_json, **sampling):
     """Generate a continuation of a prompt (with the model's chat template unless --no-template).
 
     \b
@@ -132,6 +134,8 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
     check_no_template(no_template, system, compare_template, template_name, template_file)
+    if compare_template and prompt_cache_file:
+        raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one template")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -140,6 +144,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         constraint.check(runtime.tokenizer)
     messages = messages_for(prompt_text, system)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
+    saved = load_prompt_cache(prompt_cache_file, runtime, template)
     runs = [template, NO_TEMPLATE] if compare_template else [template]
     results = []
     for run_template in runs:
@@ -147,7 +152,13 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         if show_prompt:
             print_prompt(prompt)
         ids = fit_prompt(runtime, prompt.ids, sampling["max_tokens"], truncate)
-        stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"], constraint=constraint)
+        if saved is not None:
+            saved.check_starts(ids)
+        stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"], constraint=constraint,
+                                prompt_cache=saved.store() if saved is not None else None)
+        if saved is not None:
+            click.echo(f"[prompt cache: {stream.cached_tokens} of the prompt's {count(len(ids), 'token')} from"
+                       f" {prompt_cache_file}]", err=True)
         if not as_json:
             if compare_template:
                 click.echo(f"=== {'template: ' + prompt.template if run_template.text else 'no template'} ===")
@@ -161,10 +172,64 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         else:
             stream.run()
         results.append({"model": runtime.path, "template": prompt.template, "prompt": prompt.text,
-                        **stream.result.to_dict()})
+                        **stream.result.to_dict(), "cached_tokens": stream.cached_tokens})
     if as_json:
         payload = results[0] if not compare_template else {"with_template": results[0], "without_template": results[1]}
         click.echo(json.dumps(payload, ensure_ascii=False))
+
+
+@main.command("cache-prompt")
+@model_option
+@dequantize_option
+@context_option
+@click.option("--prompt", "-p", "prompt_text", help="The text to cache: the start of later prompts ('-' reads stdin).")
+@click.option("--file", "-f", "prompt_file", type=click.Path(dir_okay=False), help="Read the text to cache from a file.")
+@click.option("--no-template", is_flag=True, help="Cache the raw text, with BOS if the file asks for one.")
+@click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template.")
+@click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
+@click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
+@click.option("--system", metavar="TEXT", help="System message; alone, it is what is cached (for chat).")
+@click.option("--out", "-o", "out_path", required=True, metavar="FILE", help="Where to save it (safetensors).")
+def cache_prompt(model_path, prompt_text, prompt_file, no_template, template_name, template_file, template_kwargs,
+                 system, out_path):
+    """Save the keys and values of a prompt's start, for --prompt-cache on generate, chat and batch.
+
+    With a template, what is cached is the rendered prompt up to the end of the text (the first
+    user message), so prompts that start with the text reuse it; with --system alone, the rendered
+    system prompt, for chat.
+
+    
+    mlxllama cache-prompt -m model.gguf --file report.txt -o report.safetensors
+    mlxllama generate -m model.gguf -p "$(cat report.txt) Summarize it." --prompt-cache report.safetensors
+    mlxllama cache-prompt --system "$(cat manual.txt)" -o manual.safetensors
+    mlxllama chat --system "$(cat manual.txt)" --prompt-cache manual.safetensors
+    """
+    from .prompt import choose_template, messages_for
+    from .prompt_files import prefix_ids, save
+
+    if (prompt_text is None) == (prompt_file is None) and not (system and prompt_text is None and prompt_file is None):
+        raise MlxLlamaError("give the text to cache: -p TEXT or --file FILE (or --system alone)")
+    check_no_template(no_template, system, False, template_name, template_file)
+    kwargs = parse_template_kwargs(template_kwargs)
+    if prompt_text == "-":
+        prompt_text = sys.stdin.read()
+    elif prompt_file is not None:
+        from .cli_options import read_text
+
+        prompt_text = read_text(prompt_file, "--file")
+    if os.path.isdir(out_path):
+        raise MlxLlamaError(f"--out {out_path} is a directory")
+    check_output_dir(os.path.dirname(os.path.abspath(out_path)))
+    runtime = load_model(model_path)
+    template = choose_template(runtime.chat_template, template_name, template_file, no_template)
+    if prompt_text is None:  # the system prompt alone; a user message follows it in every conversation
+        messages, anchor = messages_for("", system), system
+    else:
+        messages, anchor = messages_for(prompt_text, system), prompt_text
+    ids = prefix_ids(runtime.tokenizer, template, messages, kwargs, anchor)
+    size = save(out_path, runtime, template, ids, anchor)
+    click.echo(f"cached {count(len(ids), 'token')} (template: {template.label}) in {out_path}, {size / 2**20:.1f} MiB",
+               err=True)
 
 
 @main.command("inspect")
@@ -193,7 +258,8 @@ def inspect_command(model_path, as_json):
 @click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
 @click.option("--system", metavar="TEXT", help="System message.")
 @sampling_options
-def chat(model_path, template_name, template_file, template_kwargs, system, **sampling):
+@prompt_cache_option
+def chat(model_path, template_name, template_file, template_kwargs, system, prompt_cache_file, **sampling):
     """Chat with a model; the conversation stays in the KV cache between turns.
 
     Reads one message per line from a pipe too:
@@ -212,6 +278,13 @@ def chat(model_path, template_name, template_file, template_kwargs, system, **sa
     template = choose_template(runtime.chat_template, template_name, template_file)
     session = ChatSession(runtime, template, system, sampling_params(sampling), sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True))
+    saved = load_prompt_cache(prompt_cache_file, runtime, template)
+    if saved is not None:
+        # The conversation starts with its system prompt: the cached prefix must be that.
+        from .prompt import build_prompt, messages_for
+
+        saved.check_starts(build_prompt(runtime.tokenizer, template, messages_for("", system), kwargs).ids)
+        saved.store(into=session.prompt_cache)
     sys.exit(run_chat(session, sys.stdin))
 
 
@@ -242,10 +315,11 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @click.option("--compare-template", is_flag=True, help="Run each prompt with and without its template.")
 @sampling_options
 @constraint_options
+@prompt_cache_option
 @click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="Format of the summary printed to stderr at the end.")
 def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
-          template_kwargs, system, compare_template, summary, **sampling):
+          template_kwargs, system, compare_template, prompt_cache_file, summary, **sampling):
     """Run every prompt of a JSONL file (or '-' for stdin) with batched decoding; write results in input order.
 
     Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
@@ -270,9 +344,13 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
         runtime = load_model(model_path)
         if constraint is not None:
             constraint.check(runtime.tokenizer)
-        settings = BatchSettings(choose_template(runtime.chat_template, template_name, template_file, no_template),
-                                 system, kwargs, params, sampling["max_tokens"], sampling["stop"], compare_template,
-                                 constraint)
+        template = choose_template(runtime.chat_template, template_name, template_file, no_template)
+        if compare_template and prompt_cache_file:
+            raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one"
+                                " template")
+        saved = load_prompt_cache(prompt_cache_file, runtime, template)
+        settings = BatchSettings(template, system, kwargs, params, sampling["max_tokens"], sampling["stop"],
+                                 compare_template, constraint, saved)
         stats = run_batch(runtime, prompts_file, source, out, done, settings,
                           lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size)
     click.echo(stats.summary(summary), err=True)

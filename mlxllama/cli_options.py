@@ -188,3 +188,19 @@ def read_text(path: str, option: str) -> str:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise MlxLlamaError(f"{option}: cannot read {path}: {reason}") from None
+
+
+def prompt_cache_option(f):
+    return click.option(
+        "--prompt-cache", "prompt_cache_file", metavar="FILE", type=click.Path(dir_okay=False),
+        help="Start from a prefix saved by `mlxllama cache-prompt`: only what follows it is prefilled.",
+    )(f)
+
+
+def load_prompt_cache(path: str | None, runtime, template):
+    """The saved prefix at `path` for this run (None without one), checked to belong to it."""
+    if path is None:
+        return None
+    from .prompt_files import load
+
+    return load(path, runtime, template)

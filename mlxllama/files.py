@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from .errors import MlxLlamaError
 
@@ -82,11 +82,25 @@ def check_output_dir(path: str) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace the regular file at `path` (following a symbolic link to its target) with `text`.
+    """Replace the regular file at `path` (following a symbolic link to its target) with `text`,
+    atomically (replace_atomically)."""
 
-    The text goes to a temporary file beside the target, flushed to disk, then renamed over it: the
-    rename is atomic, so a reader never sees a partial file, and the temporary file is removed if
-    anything fails before it. A directory or a device at `path` is refused, never replaced.
+    def write(temp: str) -> None:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    replace_atomically(path, write)
+
+
+def replace_atomically(path: str | os.PathLike, write: Callable[[str], None], suffix: str = "") -> None:
+    """Replace the regular file at `path` (following a symbolic link to its target) with what
+    `write(temp)` writes to a temporary path (ending in `suffix`).
+
+    The temporary file is beside the target and renamed over it: the rename is atomic, so a reader
+    never sees a partial file, and the temporary file is removed if anything fails before it. A
+    directory or a device at `path` is refused, never replaced.
     """
     target = os.path.realpath(path)
     try:
@@ -97,12 +111,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise WriteError(path, e) from None
     if mode is not None and not stat.S_ISREG(mode):
         raise WriteError(path, "is a directory" if stat.S_ISDIR(mode) else "not a regular file")
-    temp = f"{target}.{os.getpid()}.tmp"
+    temp = f"{target}.{os.getpid()}.tmp{suffix}"
     try:
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(temp)
         if mode is not None:
             os.chmod(temp, stat.S_IMODE(mode))
         os.replace(temp, target)

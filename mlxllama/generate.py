@@ -280,6 +280,11 @@ class TextStream:
             yield tail
         self.result = GenerationResult.of(collector, self.prompt_ids, ids, len(self.new_ids), start, first_token_time)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the cache held before the stream began (a prompt cache's prefix)."""
+        return len(self.prompt_ids) - len(self.new_ids)
+
     def run(self) -> GenerationResult:
         for _ in self:
             pass

@@ -17,6 +17,7 @@ from .generate import GenerationResult, TextStream
 from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
 from .tokenizer import Tokenizer
 from .tool_calls import ToolCall, read_tool_choice, read_tools, template_message, tool_use
@@ -44,8 +45,9 @@ class ChatReply:
 
 class Runtime:
     def __init__(self, path: str, config: ModelConfig, model: Transformer, tokenizer: Tokenizer, metadata: dict,
-                 load_seconds: float):
+                 load_seconds: float, dequantized: bool = False):
         self.path = path
+        self.dequantized = dequantized  # every weight expanded to the compute dtype (load's `dequantize`)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -78,19 +80,23 @@ class Runtime:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,
-               **sampling) -> TextStream:
+               prompt_cache: PromptCache | None = None, **sampling) -> TextStream:
         """Text pieces as they are generated; the stream's `.result` is set once it is exhausted.
 
         A string prompt is tokenized with BOS and no template; `special` parses control tokens in it.
         `constraint` (a Constraint: JSON Schema, any JSON object, regex or grammar) is what the
-        output must match. Sampling keywords (temperature=, top_k=, seed=… : the fields of
-        SamplingParams) override `params`.
+        output must match. With a `prompt_cache` (a PromptCache, e.g. a saved prefix loaded by
+        mlxllama.prompt_files) only what follows the longest prefix it holds is prefilled; the
+        stream's `cached_tokens` says how many came from it. Sampling keywords (temperature=,
+        top_k=, seed=… : the fields of SamplingParams) override `params`.
         """
         params = params.with_overrides(**sampling)
         ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
         guide = Guide(constraint, self.tokenizer) if constraint is not None else None
-        return TextStream(self.model, self.tokenizer, self.new_cache(), ids, make_sampler(params), max_tokens, stop,
-                          guide=guide)
+        entry, cached = prompt_cache.lookup(ids) if prompt_cache is not None else (None, 0)
+        cache = prompt_cache.restore(entry, cached, self.model) if entry is not None else self.new_cache()
+        return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params), max_tokens, stop,
+                          new_ids=ids[cached:], guide=guide)
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
              stop: Sequence[str] = (), template: str | None = None, tools: Sequence[dict] | None = None,
@@ -151,7 +157,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     if on_cuda():
         model.attend_prefill_explicitly()
     mx.eval(model.parameters())
-    return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start)
+    return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start, dequantize)
 
 
 def on_cuda() -> bool:

@@ -1,0 +1,186 @@
+"""Prompt caches on disk: the keys and values of a prefix (a long document, a system prompt)
+saved with everything they depend on, so a later run prefills only what follows it.
+
+A file is safetensors: the prefix's token ids, each layer's keys and values for those positions,
+and in its metadata the model file's identity and the settings that change the keys and values
+(the template, the context length, native or dequantized weights, the compute dtype). Loading
+checks all of them against the run and refuses, in one line, a file that does not match: a cache
+made for another model or with other settings would give wrong output, not an error.
+
+Loaded, the prefix becomes an entry of a PromptCache, the store the server and `chat` use, so
+generate, chat and batch reuse it the way they reuse any earlier prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxLlamaError, count
+from .files import replace_atomically
+from .generate import prefill
+from .gguf_file import open_gguf
+from .prompt import Template, build_prompt, tokenize_rendered
+from .prompt_cache import PromptCache
+from .tokenizer import Tokenizer
+
+FORMAT = "mlxllama-prompt-cache/1"
+# A model's identity: every part's size, its first HEAD_BYTES (the header: metadata and tensor
+# table) and SAMPLES chunks of the rest at even intervals; a fine-tune of the same layout differs in all.
+HEAD_BYTES, SAMPLES, SAMPLE_BYTES = 16 << 20, 64, 1 << 16
+
+
+def model_identity(path: str) -> str:
+    digest = hashlib.sha256()
+    for part in open_gguf(path).parts or [path]:
+        size = os.path.getsize(part)
+        with open(part, "rb") as f:
+            digest.update(f"{os.path.basename(part)}:{size}".encode())
+            digest.update(f.read(HEAD_BYTES))
+            span = max(size - HEAD_BYTES - SAMPLE_BYTES, 0)
+            if size > HEAD_BYTES:
+                for i in range(SAMPLES):
+                    f.seek(HEAD_BYTES + span * i // (SAMPLES - 1))
+                    digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def checksum(arrays: dict[str, mx.array]) -> str:
+    """Of every array's name, shape, dtype and bytes: what a corrupted file would not match."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        digest.update(f"{name}:{a.shape}:{a.dtype}".encode())
+        digest.update(memoryview(np.array(a.view(mx.uint8) if a.dtype != mx.bool_ else a)))
+    return digest.hexdigest()
+
+
+def settings_of(runtime, template: Template) -> dict[str, str]:
+    """What changes a prefix's keys and values besides its ids and the weights."""
+    text = template.text or ""
+    return {
+        "template": template.label,
+        "template_sha256": hashlib.sha256(text.encode()).hexdigest() if template.text is not None else "none",
+        "context_length": str(runtime.config.context_length),  # Phi-3's RoPE factors depend on it
+        "weights": "dequantized" if runtime.dequantized else "native",
+        "dtype": str(runtime.model.compute_dtype).removeprefix("mlx.core."),
+    }
+
+
+SETTING_NAMES = {"template": "the template", "template_sha256": "the template's text",
+                 "context_length": "--ctx", "weights": "native or --dequantize weights", "dtype": "the compute dtype"}
+
+
+def save(path: str, runtime, template: Template, ids: list[int], text: str) -> int:
+    """Prefill `ids` and write their keys and values to `path` (atomically); the file's size."""
+    if not ids:
+        raise MlxLlamaError("the prefix to cache is empty")
+    cache = runtime.model.make_cache(bounded=False)  # every position of every layer, sliding ones too
+    prefill(runtime.model, ids, cache)
+    arrays = {"ids": mx.array(ids, mx.int32)}
+    for i, layer in enumerate(cache):
+        arrays[f"layers.{i}.keys"] = mx.contiguous(layer.keys[..., : len(ids), :])
+        arrays[f"layers.{i}.values"] = mx.contiguous(layer.values[..., : len(ids), :])
+    mx.eval(list(arrays.values()))
+    metadata = {"format": FORMAT, "model": os.path.basename(runtime.path), "model_identity": model_identity(runtime.path),
+                "settings": json.dumps(settings_of(runtime, template)), "checksum": checksum(arrays), "text": text}
+    replace_atomically(path, lambda temp: mx.save_safetensors(temp, arrays, metadata), suffix=".safetensors")
+    return os.path.getsize(path)
+
+
+@dataclass
+class SavedPrefix:
+    path: str
+    ids: list[int]
+    layers: list[tuple[mx.array, mx.array]]
+
+    def check_starts(self, ids: list[int]) -> None:
+        """A prompt that does not start with the saved prefix is an error: reusing it would be wrong."""
+        if ids[: len(self.ids)] != self.ids:
+            part = next((i for i, (a, b) in enumerate(zip(ids, self.ids)) if a != b), min(len(ids), len(self.ids)))
+            raise MlxLlamaError(f"{self.path}: the prompt does not start with the cached prefix of "
+                                f"{count(len(self.ids), 'token')} (they part at token {part})")
+
+    def store(self, into: PromptCache | None = None) -> PromptCache:
+        """A prompt cache holding the prefix (`into`, or one just large enough), for generate, chat
+        and batch to take it from."""
+        store = into or PromptCache(sum(k.nbytes + v.nbytes for k, v in self.layers))
+        store.store(self.ids, self.layers)
+        return store
+
+
+def prefix_ids(tokenizer: Tokenizer, template: Template, messages: list[dict], kwargs: dict, anchor: str) -> list[int]:
+    """What to cache so that later prompts starting the same way reuse it: the messages rendered as
+    generate renders them, cut after `anchor` (the text of the last message given: the document,
+    or the system prompt), less the last token, which may merge with whatever follows."""
+    prompt = build_prompt(tokenizer, template, messages, kwargs)
+    if template.text is not None:
+        # Templates may trim a message; its text still ends where the trimmed text does.
+        found = [(prompt.text.rfind(a), a) for a in (anchor, anchor.strip()) if a]
+        at, text = max(found) if found else (-1, "")
+        if at < 0:
+            raise MlxLlamaError(f"template {template.label}: the text to cache does not appear in its rendering")
+        ids = tokenize_rendered(tokenizer, prompt.text[: at + len(text)])
+    else:
+        ids = prompt.ids
+    if len(ids) < 2:
+        raise MlxLlamaError("the prefix to cache is empty")
+    return ids[:-1]
+
+
+def load(path: str, runtime, template: Template) -> SavedPrefix:
+    """The prefix saved at `path`, checked against this run; a one-line error if it does not belong."""
+    if not os.path.isfile(path):
+        raise MlxLlamaError(f"{path}: no such file")
+    try:
+        arrays, metadata = mx.load(path, format="safetensors", return_metadata=True)
+        mx.eval(list(arrays.values()))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise MlxLlamaError(f"{path}: not a readable prompt cache ({' '.join(str(e).split())})") from None
+    if metadata.get("format") != FORMAT:
+        raise MlxLlamaError(f"{path}: not a prompt cache made by mlxllama cache-prompt ({FORMAT})")
+    if metadata.get("checksum") != checksum(arrays):
+        raise MlxLlamaError(f"{path}: corrupt (its arrays do not match the checksum it was saved with)")
+    if metadata.get("model_identity") != model_identity(runtime.path):
+        raise MlxLlamaError(f"{path}: made for another model ({metadata.get('model', '?')}), not"
+                            f" {os.path.basename(runtime.path)}")
+    try:
+        saved = json.loads(metadata.get("settings", ""))
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise MlxLlamaError(f"{path}: its settings are unreadable")
+    ours = settings_of(runtime, template)
+    for key, name in SETTING_NAMES.items():
+        if saved.get(key) != ours[key]:
+            raise MlxLlamaError(f"{path}: made with {name} {saved.get(key)!r}, this run has {ours[key]!r}")
+    return SavedPrefix(path, _ids(path, arrays), _layers(path, arrays, runtime))
+
+
+def _ids(path: str, arrays: dict) -> list[int]:
+    ids = arrays.get("ids")
+    if ids is None or ids.ndim != 1 or ids.dtype != mx.int32 or ids.size == 0:
+        raise MlxLlamaError(f"{path}: no token ids")
+    return ids.tolist()
+
+
+def _layers(path: str, arrays: dict, runtime) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's keys and values, of the shapes this model's cache holds for the prefix."""
+    config, n = runtime.config, arrays["ids"].size
+    dtype = runtime.model.compute_dtype
+    layers = []
+    for i in range(config.n_layers):
+        pair = (arrays.get(f"layers.{i}.keys"), arrays.get(f"layers.{i}.values"))
+        for name, a in zip(("keys", "values"), pair):
+            if a is None or a.shape != (1, config.n_kv_heads, n, config.head_dim) or a.dtype != dtype:
+                raise MlxLlamaError(f"{path}: layers.{i}.{name} is missing or not [1, {config.n_kv_heads}, {n},"
+                                    f" {config.head_dim}] {dtype}")
+        layers.append(pair)
+    if len(arrays) != 1 + 2 * config.n_layers:
+        raise MlxLlamaError(f"{path}: holds {len(arrays) - 1} layer arrays, the model has {config.n_layers} layers")
+    return layers
