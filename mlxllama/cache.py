@@ -89,8 +89,17 @@ class KVCache:
 
     @property
     def start(self) -> int:
-        """The position held in the buffer's first slot."""
+        """The first position after any the cache dropped (0: it dropped none)."""
         return 0
+
+    def slots(self, start: int, length: int) -> int:
+        """How many buffer slots hold positions up to `length`, for a cache whose `start` was `start`."""
+        return length
+
+    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+        """Hold positions up to `length`, given as buffers laid out as this kind of cache lays
+        them out when its `start` is `start` (the state a prompt cache keeps and gives back)."""
+        self.keys, self.values, self.offset = keys, values, length
 
     @property
     def state(self) -> list[mx.array]:
@@ -162,9 +171,102 @@ class SlidingKVCache(KVCache):
         """Forget the last n positions; the caller checks holds() first where it matters."""
         self.offset = max(self._start, self.offset - n)
 
+    def slots(self, start: int, length: int) -> int:
+        return length - start
+
     def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
         """Hold positions start .. length - 1, given as buffers whose slot 0 is `start`."""
         self.keys, self.values, self._start, self.offset = keys, values, start, length
+
+
+class RotatingKVCache(KVCache):
+    """A layer's keys and values in bounded memory: the first `keep` positions (BOS, a system
+    prompt) and the last `max_size - keep`, as llama.cpp's context shift and mlx-lm's rotating
+    cache keep them, so a conversation can go on for ever. Positions keep advancing past what is
+    dropped: RoPE sees each token's true position (past the trained context that is the model's
+    extrapolation), and a query attends to the kept first positions and the `window` last ones.
+
+    Slots 0 .. keep - 1 hold positions 0 .. keep - 1; slot keep + j holds position _start + j. As
+    in SlidingKVCache, the buffer has room for GROWTH_STEP more and is rewritten, dropping what no
+    later query sees, once every GROWTH_STEP tokens. Memory: at most max_size - 1 + the tokens of
+    one call + GROWTH_STEP positions.
+    """
+
+    def __init__(self, max_size: int, keep: int):
+        super().__init__()
+        self.max_size, self.keep = max_size, keep
+        self.window = max_size - keep
+        self._start = keep
+
+    @property
+    def start(self) -> int:
+        return 0 if self._start == self.keep else self._start
+
+    def holds(self, length: int) -> bool:
+        """Whether cutting the cache to its first `length` positions leaves all a later query needs."""
+        return length <= self.offset and keeps_window(self.start, self.window, length)
+
+    def slots(self, start: int, length: int) -> int:
+        return length if start == 0 else self.keep + length - start
+
+    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+        self.keys, self.values, self.offset = keys, values, length
+        self._start = start or self.keep
+
+    def _slots_after(self, new: int, start: int) -> int:
+        return self.keep + self.offset + new - start
+
+    def _start_after(self, new: int) -> int:
+        """The position in slot `keep` once `new` more positions are appended."""
+        if self.keys is None or self._slots_after(new, self._start) <= self.keys.shape[2]:
+            return self._start
+        return max(self._start, self.offset - (self.window - 1))
+
+    def mask(self, length: int, window: int = 0) -> str | mx.array | None:
+        start = self._start_after(length)
+        if start == self.keep and self.offset + length <= self.max_size:
+            return causal_mask(length)  # nothing dropped, and every query sees every key it is not ahead of
+        slot = mx.arange(self._slots_after(length, start))
+        key_pos = mx.where(slot < self.keep, slot, start + slot - self.keep)
+        query_pos = self.offset + mx.arange(length)[:, None]
+        return visible(query_pos, key_pos[None, :], self.window) | ((key_pos < self.keep) & (key_pos <= query_pos))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        new = keys.shape[2]
+        start = self._start_after(new)
+        if self.keys is None or start != self._start or self._slots_after(new, start) > self.keys.shape[2]:
+            self._rebuild(start, keys, values, new)
+        slot = self.keep + self.offset - self._start
+        self.keys[..., slot : slot + new, :] = keys
+        self.values[..., slot : slot + new, :] = values
+        self.offset += new
+        end = self.keep + self.offset - self._start
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _rebuild(self, start: int, keys: mx.array, values: mx.array, new: int) -> None:
+        """A buffer holding positions 0 .. keep - 1 and start .. offset - 1 of the old one, and room
+        for `new` + GROWTH_STEP more."""
+        batch, heads, _, head_dim = keys.shape
+        capacity = self._slots_after(new, start) + GROWTH_STEP
+        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
+        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None and self.offset:
+            head = min(self.keep, self.offset)
+            grown_k[..., :head, :] = self.keys[..., :head, :]
+            grown_v[..., :head, :] = self.values[..., :head, :]
+            if self.offset > start:
+                first, kept = self.keep + start - self._start, self.offset - start
+                grown_k[..., self.keep : self.keep + kept, :] = self.keys[..., first : first + kept, :]
+                grown_v[..., self.keep : self.keep + kept, :] = self.values[..., first : first + kept, :]
+        self.keys, self.values, self._start = grown_k, grown_v, start
+
+    def trim(self, n: int) -> None:
+        self.offset = max(self.start, self.offset - n)
+
+
+def rotates(cache) -> bool:
+    """Whether a cache drops old positions (RotatingKVCache), so its positions may pass the context."""
+    return any(isinstance(layer, RotatingKVCache) for layer in cache)
 
 
 class SlotCache:
@@ -192,10 +294,14 @@ class SlotCache:
         return self.keys, self.values
 
 
-def make_cache(windows: list[int], bounded: bool = True) -> list[KVCache]:
+def make_cache(windows: list[int], bounded: bool = True, max_size: int = 0, keep: int = 0) -> list[KVCache]:
     """One cache a layer: a SlidingKVCache for a layer with a window (unless `bounded` is False:
-    batching needs every position in its slot), else a KVCache."""
-    return [SlidingKVCache(w) if w and bounded else KVCache() for w in windows]
+    batching needs every position in its slot), else a KVCache, or with a `max_size` a
+    RotatingKVCache keeping `keep` first positions."""
+    def full() -> KVCache:
+        return RotatingKVCache(max_size, keep) if max_size else KVCache()
+
+    return [SlidingKVCache(w) if w and bounded else full() for w in windows]
 
 
 class BatchKVCache:

@@ -14,10 +14,10 @@ from typing import Callable, Iterator
 from .cache import GROWTH_STEP, kv_bytes_per_position
 from .errors import MlxLlamaError, count
 from .files import write_text_atomic
-from .generate import TextStream
+from .generate import PREFILL_CHUNK, TextStream
 from .prompt import Template, render_messages, tokenize_rendered, with_system
 from .prompt_cache import PromptCache
-from .runtime import Runtime
+from .runtime import Runtime, check_kv_size
 from .sampling import SamplingParams, make_sampler
 
 
@@ -25,18 +25,24 @@ class ChatSession:
     def __init__(self, runtime: Runtime, template: Template, system: str | None = None,
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: tuple[str, ...] = (),
                  template_kwargs: dict | None = None, notify: Callable[[str], None] = lambda message: None,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 4):
         if template.text is None:
             raise MlxLlamaError("chat needs a chat template; pass --template NAME or --template-file PATH")
         self.runtime, self.template = runtime, template
         self.params, self.max_tokens, self.stop = params, max_tokens, stop
         self.template_kwargs = template_kwargs or {}
         self.notify = notify
+        # A bounded KV cache (cache.RotatingKVCache) lets the conversation outgrow the context:
+        # no turn is dropped, the cache keeps the first `keep` positions and the latest ones.
+        check_kv_size(max_kv_size, keep)
+        self.max_kv_size, self.keep = max_kv_size, keep
         self.system = system
         self.messages: list[dict[str, str]] = []
         # Room for the conversation at its longest and one earlier prefix (a system prompt after /reset).
         per_position = kv_bytes_per_position(runtime.config, runtime.model.compute_dtype)
-        self.prompt_cache = prompt_cache or PromptCache(2 * (runtime.config.context_length + GROWTH_STEP) * per_position)
+        # A rotating cache may hold a prefill chunk beyond its bound while it fills.
+        held = max(runtime.config.context_length, max_kv_size + PREFILL_CHUNK) + GROWTH_STEP
+        self.prompt_cache = prompt_cache or PromptCache(2 * held * per_position)
         self.last_cached = 0  # prompt tokens the last turn found in the prompt cache
         self.last_fed = 0  # tokens fed on the last turn (prompt suffix + reply)
 
@@ -57,7 +63,7 @@ class ChatSession:
         """Prompt ids for the conversation, dropping the oldest turns while it leaves no room to reply."""
         context = self.runtime.config.context_length
         ids = self._prompt_ids()
-        while len(ids) >= context - min(self.max_tokens, context // 4):
+        while not self.max_kv_size and len(ids) >= context - min(self.max_tokens, context // 4):
             if len(self.messages) <= 1:
                 raise MlxLlamaError(f"the message is {count(len(ids), 'token')}, too long for the model's context of {context}")
             dropped = 2 if len(self.messages) > 2 else 1
@@ -78,7 +84,7 @@ class ChatSession:
         except BaseException:
             self.messages = before
             raise
-        cache, keep = self.prompt_cache.take(prompt_ids, self.runtime.model)
+        cache, keep = self.prompt_cache.take(prompt_ids, self.runtime.model, self.max_kv_size, self.keep)
         stream = TextStream(self.runtime.model, self.runtime.tokenizer, cache, prompt_ids,
                             make_sampler(self.params), self.max_tokens, self.stop, new_ids=prompt_ids[keep:])
         try:

@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
-                          dequantize_option, dequantize_requested, load_model, load_prompt_cache, model_option,
+                          dequantize_option, dequantize_requested, kv_size_options, load_model, load_prompt_cache,
+                          model_option,
                           parse_template_kwargs, prompt_cache_option, requested_constraint, sampling_options,
                           sampling_params, template_options)
 from .errors import MlxLlamaError, count
@@ -118,9 +119,10 @@ def print_prompt(prompt) -> None:
 @sampling_options
 @constraint_options
 @prompt_cache_option
+@kv_size_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-             show_prompt, compare_template, truncate, prompt_cache_file, as_json, **sampling):
+             show_prompt, compare_template, truncate, prompt_cache_file, max_kv_size, keep, as_json, **sampling):
     """Generate a continuation of a prompt (with the model's chat template unless --no-template).
 
     \b
@@ -136,6 +138,8 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     check_no_template(no_template, system, compare_template, template_name, template_file)
     if compare_template and prompt_cache_file:
         raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one template")
+    if max_kv_size and (prompt_cache_file or truncate):
+        raise MlxLlamaError("--max-kv-size excludes --prompt-cache and --truncate")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -151,11 +155,12 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         prompt = build_prompt(runtime.tokenizer, run_template, messages, kwargs)
         if show_prompt:
             print_prompt(prompt)
-        ids = fit_prompt(runtime, prompt.ids, sampling["max_tokens"], truncate)
+        ids = prompt.ids if max_kv_size else fit_prompt(runtime, prompt.ids, sampling["max_tokens"], truncate)
         if saved is not None:
             saved.check_starts(ids)
         stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"], constraint=constraint,
-                                prompt_cache=saved.store() if saved is not None else None)
+                                prompt_cache=saved.store() if saved is not None else None, max_kv_size=max_kv_size,
+                                keep=keep)
         if saved is not None:
             click.echo(f"[prompt cache: {stream.cached_tokens} of the prompt's {count(len(ids), 'token')} from"
                        f" {prompt_cache_file}]", err=True)
@@ -259,7 +264,9 @@ def inspect_command(model_path, as_json):
 @click.option("--system", metavar="TEXT", help="System message.")
 @sampling_options
 @prompt_cache_option
-def chat(model_path, template_name, template_file, template_kwargs, system, prompt_cache_file, **sampling):
+@kv_size_options
+def chat(model_path, template_name, template_file, template_kwargs, system, prompt_cache_file, max_kv_size, keep,
+         **sampling):
     """Chat with a model; the conversation stays in the KV cache between turns.
 
     Reads one message per line from a pipe too:
@@ -276,8 +283,11 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
     template = choose_template(runtime.chat_template, template_name, template_file)
+    if max_kv_size and prompt_cache_file:
+        raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
     session = ChatSession(runtime, template, system, sampling_params(sampling), sampling["max_tokens"],
-                          sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True))
+                          sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True),
+                          max_kv_size=max_kv_size, keep=keep)
     saved = load_prompt_cache(prompt_cache_file, runtime, template)
     if saved is not None:
         # The conversation starts with its system prompt: the cached prefix must be that.

@@ -204,3 +204,16 @@ def load_prompt_cache(path: str | None, runtime, template):
     from .prompt_files import load
 
     return load(path, runtime, template)
+
+
+def kv_size_options(f):
+    options = [
+        click.option("--max-kv-size", type=int, default=0, metavar="N",
+                     help="Bound the KV cache to N positions: the first --keep and the last ones; the chat or"
+                          " generation may then run past the context (0: off)."),
+        click.option("--keep", type=int, default=4, show_default=True, metavar="N",
+                     help="With --max-kv-size: the first positions always kept (BOS, the start of a system prompt)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import KVCache, rotates
 from .constraints import Guide
 from .errors import MlxLlamaError, count
 from .models import Transformer
@@ -73,11 +73,14 @@ def generate_tokens(
     next token needs the current token's value, so the host reads that while the device runs the
     next step's forward pass, and builds the mask then: only the sampling waits for it.
     """
-    check_fits(len(new_ids), model.config.context_length)
-    check_fits(cache[0].offset + len(new_ids), model.config.context_length)
+    # A rotating cache holds a bounded window whatever the positions: they may pass the context.
+    bounded = not rotates(cache)
+    check_fits(len(new_ids), model.config.context_length if bounded else len(new_ids))
+    if bounded:
+        check_fits(cache[0].offset + len(new_ids), model.config.context_length)
+        max_tokens = min(max_tokens, model.config.context_length - cache[0].offset - len(new_ids))
     stop_ids = frozenset(stop_ids)
     context = list(history) + list(new_ids)
-    max_tokens = min(max_tokens, model.config.context_length - cache[0].offset - len(new_ids))
     if max_tokens <= 0:
         return
     logits = prefill(model, new_ids, cache)

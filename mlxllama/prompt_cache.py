@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, SlidingKVCache, keeps_window
+from .cache import KVCache, keeps_window
 
 
 @dataclass
@@ -74,12 +74,12 @@ class PromptCache:
         mx.eval(copies)
         self._add(ids, copies)
 
-    def take(self, ids: Sequence[int], model) -> tuple[list[KVCache], int]:
+    def take(self, ids: Sequence[int], model, max_kv_size: int = 0, keep: int = 0) -> tuple[list[KVCache], int]:
         """A cache to continue `ids` from: the entry sharing the longest prefix with them, taken
-        out of the store (the caller owns its buffers now) and cut to that prefix, or a fresh cache;
-        and how many of `ids` it holds."""
+        out of the store (the caller owns its buffers now) and cut to that prefix, or a fresh cache
+        (rotating, with a `max_kv_size`); and how many of `ids` it holds."""
         entry, length = self.lookup(ids, bounded=True)
-        cache = model.make_cache()
+        cache = model.make_cache(max_kv_size=max_kv_size, keep=keep)
         if entry is None:
             return cache, 0
         self.entries.remove(entry)
@@ -110,10 +110,8 @@ def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
     """Give each layer of a fresh cache the entry's positions up to `length` (cut(buffer, slots) gives
     the buffer a layer takes: a view of the entry's, or the entry's own)."""
     for layer, (keys, values), start in zip(cache, entry.layers, entry.starts):
-        if isinstance(layer, SlidingKVCache):
-            layer.restore(cut(keys, length - start), cut(values, length - start), start, length)
-        else:
-            layer.keys, layer.values, layer.offset = cut(keys, length), cut(values, length), length
+        slots = layer.slots(start, length)
+        layer.restore(cut(keys, slots), cut(values, slots), start, length)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:

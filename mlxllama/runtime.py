@@ -80,21 +80,28 @@ class Runtime:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,
-               prompt_cache: PromptCache | None = None, **sampling) -> TextStream:
+               prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 4,
+               **sampling) -> TextStream:
         """Text pieces as they are generated; the stream's `.result` is set once it is exhausted.
 
         A string prompt is tokenized with BOS and no template; `special` parses control tokens in it.
         `constraint` (a Constraint: JSON Schema, any JSON object, regex or grammar) is what the
         output must match. With a `prompt_cache` (a PromptCache, e.g. a saved prefix loaded by
         mlxllama.prompt_files) only what follows the longest prefix it holds is prefilled; the
-        stream's `cached_tokens` says how many came from it. Sampling keywords (temperature=,
+        stream's `cached_tokens` says how many came from it. A `max_kv_size` bounds the KV cache:
+        it keeps the first `keep` positions and the last ones (cache.RotatingKVCache), and the
+        prompt and reply may then run past the model's context. Sampling keywords (temperature=,
         top_k=, seed=… : the fields of SamplingParams) override `params`.
         """
+        check_kv_size(max_kv_size, keep)
         params = params.with_overrides(**sampling)
         ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
         guide = Guide(constraint, self.tokenizer) if constraint is not None else None
         entry, cached = prompt_cache.lookup(ids) if prompt_cache is not None else (None, 0)
-        cache = prompt_cache.restore(entry, cached, self.model) if entry is not None else self.new_cache()
+        if entry is not None:
+            cache = prompt_cache.restore(entry, cached, self.model)
+        else:
+            cache = self.model.make_cache(max_kv_size=max_kv_size, keep=keep)
         return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params), max_tokens, stop,
                           new_ids=ids[cached:], guide=guide)
 
@@ -158,6 +165,14 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         model.attend_prefill_explicitly()
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start, dequantize)
+
+
+def check_kv_size(max_kv_size: int, keep: int) -> None:
+    """A rotating cache's bounds: keep >= 0 first positions, and room for more than them."""
+    if max_kv_size < 0:
+        raise MlxLlamaError("--max-kv-size must be 0 (off) or positive")
+    if max_kv_size and not 0 <= keep < max_kv_size - 1:
+        raise MlxLlamaError(f"--max-kv-size {max_kv_size} must exceed --keep {keep} by at least 2")
 
 
 def on_cuda() -> bool:

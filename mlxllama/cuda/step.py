@@ -21,7 +21,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import BatchKVCache, KVCache
+from ..cache import BatchKVCache, KVCache, rotates
 from ..fusion import FUSED
 from ..models.transformer import DecodeStep, Transformer, rope_periods
 from ..quantized_layers import NativeLinear
@@ -113,7 +113,8 @@ class KernelStep:
         return rows == 1 or (self.batches and rows <= MAX_BATCH)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
-        if cache[0].keys is None or tokens.shape[1] != 1 or not self.takes(tokens.shape[0]):
+        # The kernels write position p to slot p: a cache that drops positions goes the plain way.
+        if cache[0].keys is None or tokens.shape[1] != 1 or not self.takes(tokens.shape[0]) or rotates(cache):
             return self.fallback(tokens, cache)
         for layer in cache:
             layer.make_room(1)

@@ -155,10 +155,11 @@ class Transformer(nn.Module):
         for block in self.blk:
             block._explicit_prefill = True
 
-    def make_cache(self, bounded: bool = True) -> list[KVCache]:
+    def make_cache(self, bounded: bool = True, max_kv_size: int = 0, keep: int = 0) -> list[KVCache]:
         """A fresh cache for one sequence, one entry a layer; a sliding layer's keeps only its window
-        unless `bounded` is False (cache.make_cache)."""
-        return make_cache([block.window for block in self.blk], bounded)
+        unless `bounded` is False, and with a `max_kv_size` the others keep their first `keep`
+        positions and the rest of max_kv_size last ones (cache.make_cache)."""
+        return make_cache([block.window for block in self.blk], bounded, max_kv_size, keep)
 
     def make_batch_cache(self) -> list[BatchKVCache]:
         """A fresh cache for rows of different lengths (batching.py), one entry a layer."""

@@ -1,0 +1,111 @@
+"""The rotating KV cache (--max-kv-size, --keep): bounded memory, positions that keep advancing,
+and attention equal to a full pass whose mask admits only the kept first positions and the last
+window — the reference the test holds it to, not a fresh run over the visible tokens (whose keys
+would be computed at other positions)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+import mlxllama
+from mlxllama.cache import GROWTH_STEP, RotatingKVCache
+from mlxllama.chat import ChatSession
+from mlxllama.cli import main
+from mlxllama.errors import MlxLlamaError
+from mlxllama.prompt import choose_template
+
+from conftest import PACKAGE_DATA, REPO_FIXTURES
+
+TEXT = "The capital of Japan is Tokyo. What is 17 plus 25? My name is Zoe. " * 40
+
+
+@cache
+def runtime(name: str):
+    path = PACKAGE_DATA / name if name.startswith("chat-tiny") else REPO_FIXTURES / name
+    return mlxllama.load(path)
+
+
+class MaskedPass:
+    """A layer "cache" for one full pass with a mask of our own: it keeps nothing."""
+
+    window, offset = 0, 0
+
+    def __init__(self, mask: mx.array):
+        self._mask = mask
+
+    def mask(self, length: int, window: int = 0) -> mx.array:
+        return self._mask
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+
+def reference_logits(rt, ids: list[int], max_size: int, keep: int) -> mx.array:
+    """Logits of every position from one pass over all of `ids`, each query seeing the first `keep`
+    positions and the last max_size - keep (sliding layers keep their own window on top)."""
+    n = len(ids)
+    q, k = mx.arange(n)[:, None], mx.arange(n)[None, :]
+    window = max_size - keep
+    rotating = (k <= q) & ((k < keep) | (k > q - window))
+    masks = [MaskedPass(rotating & ((k > q - block.window) if block.window else True)) for block in rt.model.blk]
+    return rt.model(mx.array([ids]), masks)[0]
+
+
+@pytest.mark.parametrize("name", ["chat-tiny-Q4_K_M.gguf", "gemma3-tiny-Q8_0.gguf", "qwen2-tiny-Q8_0.gguf"])
+@pytest.mark.parametrize("max_size, keep, chunk, length", [(64, 4, 37, 900), (100, 0, 512, 900), (150, 20, 1, 420)])
+def test_chunked_passes_equal_the_masked_full_pass(name, max_size, keep, chunk, length):
+    rt = runtime(name)
+    ids = rt.tokenize(TEXT)[:length]
+    kv = rt.model.make_cache(max_kv_size=max_size, keep=keep)
+    rows, fed, largest = [], 0, 0
+    for start in range(0, len(ids), chunk):
+        rows.append(rt.model(mx.array([ids[start : start + chunk]]), kv)[0])
+        fed += len(ids[start : start + chunk])
+        mx.eval(rows[-1])
+        rotating = [layer for layer in kv if isinstance(layer, RotatingKVCache)]
+        assert rotating and all(layer.offset == fed for layer in kv)  # positions advance by what is fed
+        largest = max(largest, max(layer.keys.shape[2] for layer in rotating))
+    got, want = mx.concatenate(rows), reference_logits(rt, ids, max_size, keep)
+    # The same products over the same kept keys: equal within float32 rounding of the masked sums.
+    assert float(mx.abs(got - want).max()) < 1e-4
+    assert largest <= max_size + min(chunk, len(ids)) + GROWTH_STEP  # bounded, whatever the length
+    assert rotating[0].start > keep  # it did drop positions
+
+
+def test_generation_past_the_wrap_and_the_context_follows_the_reference():
+    rt = runtime("chat-tiny-Q4_K_M.gguf")
+    prompt = rt.tokenize(TEXT)[:500]  # near the trained context of 512; the reply runs past it
+    result = rt.generate(prompt, 40, max_kv_size=96, keep=4, repeat_penalty=1.0)
+    assert len(result.token_ids) >= 20, result.text
+    # One causal pass gives the reference logits after every prefix of prompt + reply.
+    logits = reference_logits(rt, list(prompt) + result.token_ids, 96, 4)[len(prompt) - 1 : -1]
+    for n, token in enumerate(result.token_ids):
+        top = mx.topk(logits[n], 2)
+        # greedy equal up to near-ties (1e-3: two float32 computations of the same sums)
+        assert token == int(mx.argmax(logits[n])) or float(top.max() - top.min()) < 1e-3, n
+
+
+def test_chat_goes_on_past_the_context_in_bounded_memory():
+    rt = runtime("chat-tiny-Q4_K_M.gguf")
+    notices = []
+    session = ChatSession(rt, choose_template(rt.chat_template), max_tokens=24, max_kv_size=128, keep=4,
+                          notify=notices.append)
+    for turn in range(30):
+        "".join(session.send(["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe."][turn % 3]))
+    assert len(session.messages) == 60 and not notices  # no turn dropped
+    fed = len(session._prompt_ids())
+    assert fed > rt.config.context_length
+    (entry,) = session.prompt_cache.entries
+    assert max(k.shape[2] for k, _ in entry.layers) <= 128 + 512 + GROWTH_STEP
+    assert session.last_cached > 0  # later turns still start from the kept cache
+
+
+def test_bad_bounds_are_one_line_errors():
+    with pytest.raises(MlxLlamaError, match="--max-kv-size 8 must exceed --keep 7 by at least 2"):
+        runtime("chat-tiny-Q4_K_M.gguf").generate("Hi", 4, max_kv_size=8, keep=7)
+    result = CliRunner().invoke(main, ["generate", "-p", "Hi", "--max-kv-size", "-3"])
+    assert result.exit_code == 2 and "--max-kv-size must be 0 (off) or positive" in result.stderr
