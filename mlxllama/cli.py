@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
-                          dequantize_option, dequantize_requested, kv_size_options, load_model, load_prompt_cache,
-                          model_option,
+                          dequantize_option, dequantize_requested, kv_size_options, load_draft, load_model,
+                          load_prompt_cache, model_option, speculation_options,
                           parse_template_kwargs, prompt_cache_option, requested_constraint, sampling_options,
                           sampling_params, template_options)
 from .errors import MlxLlamaError, count
@@ -120,9 +120,11 @@ def print_prompt(prompt) -> None:
 @constraint_options
 @prompt_cache_option
 @kv_size_options
+@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-             show_prompt, compare_template, truncate, prompt_cache_file, max_kv_size, keep, as_json, **sampling):
+             show_prompt, compare_template, truncate, prompt_cache_file, max_kv_size, keep, draft_model, lookup,
+             draft_tokens, as_json, **sampling):
     """Generate a continuation of a prompt (with the model's chat template unless --no-template).
 
     \b
@@ -146,6 +148,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     runtime = load_model(model_path)
     if constraint is not None:
         constraint.check(runtime.tokenizer)
+    draft = load_draft(draft_model, lookup)
     messages = messages_for(prompt_text, system)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
     saved = load_prompt_cache(prompt_cache_file, runtime, template)
@@ -160,7 +163,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
             saved.check_starts(ids)
         stream = runtime.stream(ids, sampling["max_tokens"], params, sampling["stop"], constraint=constraint,
                                 prompt_cache=saved.store() if saved is not None else None, max_kv_size=max_kv_size,
-                                keep=keep)
+                                keep=keep, draft=draft, draft_tokens=draft_tokens)
         if saved is not None:
             click.echo(f"[prompt cache: {stream.cached_tokens} of the prompt's {count(len(ids), 'token')} from"
                        f" {prompt_cache_file}]", err=True)
@@ -174,6 +177,10 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
             if not stream.result.text:
                 why = "its first token ended the reply" if stream.result.finish_reason == "stop" else "no room to reply"
                 click.echo(f"[no text: {why}]", err=True)
+            if stream.result.drafted:
+                r = stream.result
+                click.echo(f"[speculative: {r.accepted} of {count(r.drafted, 'drafted token')} accepted"
+                           f" ({r.accepted / r.drafted:.0%})]", err=True)
         else:
             stream.run()
         results.append({"model": runtime.path, "template": prompt.template, "prompt": prompt.text,

@@ -217,3 +217,28 @@ def kv_size_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def speculation_options(f):
+    options = [
+        click.option("--draft-model", metavar="GGUF", type=click.Path(dir_okay=False),
+                     help="Speculative decoding (greedy): a smaller model of the same vocabulary drafts, the model checks."),
+        click.option("--lookup", type=int, default=None, metavar="N",
+                     help="Speculative decoding (greedy) by prompt lookup: draft what followed the last N-gram before."),
+        click.option("--draft-tokens", type=int, default=4, show_default=True, metavar="K",
+                     help="Tokens drafted and checked at a time."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_draft(draft_model: str | None, lookup: int | None):
+    """What drafts for Runtime.stream: a loaded model, an n-gram length, or None."""
+    if draft_model and lookup is not None:
+        raise MlxLlamaError("--draft-model and --lookup exclude each other: give one drafter")
+    if draft_model:
+        from .runtime import load
+
+        return load(draft_model, dequantize=dequantize_requested(), context_length=context_requested())
+    return lookup

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -116,6 +116,9 @@ class GenerationResult:
     prompt_tokens_per_second: float = 0.0
     generation_tokens_per_second: float = 0.0
     stop: str | None = field(default=None)  # the stop string that ended generation, if any
+    # Speculative decoding: tokens drafted, and those the model kept (0 and 0 without it).
+    drafted: int = 0
+    accepted: int = 0
 
     @classmethod
     def of(cls, collector: TextCollector, prompt_ids: Sequence[int], ids: list[int], fed: int, start: float,
@@ -139,12 +142,15 @@ class GenerationResult:
                 "generation_tokens_per_second": round(self.generation_tokens_per_second, 2)}
 
     def to_dict(self) -> dict:
+        speculation = {"drafted": self.drafted, "accepted": self.accepted,
+                       "acceptance": round(self.accepted / self.drafted, 4)} if self.drafted else {}
         return {
             "prompt_ids": self.prompt_ids,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
             **self.timings(),
+            **speculation,
         }
 
 
@@ -249,15 +255,18 @@ class TextStream:
         stop_strings: Sequence[str] = (),
         new_ids: Sequence[int] | None = None,
         guide: Guide | None = None,
+        speculate: Callable[..., Iterator[int]] | None = None,
     ):
         """new_ids: the suffix of prompt_ids not yet in the cache (default: all of prompt_ids);
-        guide: the constraint the output must match, if any."""
+        guide: the constraint the output must match, if any; speculate: generate_tokens' stand-in
+        that drafts (a bound speculative.speculative_tokens), if any."""
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.prompt_ids = list(prompt_ids)
         self.new_ids = self.prompt_ids if new_ids is None else list(new_ids)
         self.sampler, self.max_tokens = sampler, max_tokens
         self.stop_strings = [s for s in stop_strings if s]
         self.guide = guide
+        self.speculate = speculate
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -266,10 +275,13 @@ class TextStream:
         ids: list[int] = []
         start = time.perf_counter()
         first_token_time = None
-        for token_id in generate_tokens(
-            self.model, self.cache, self.new_ids, self.sampler, self.max_tokens, self.tokenizer.stop_ids, history,
-            self.guide,
-        ):
+        if self.speculate is not None:
+            tokens = self.speculate(self.model, self.cache, self.new_ids, self.max_tokens, self.tokenizer.stop_ids,
+                                    history)
+        else:
+            tokens = generate_tokens(self.model, self.cache, self.new_ids, self.sampler, self.max_tokens,
+                                     self.tokenizer.stop_ids, history, self.guide)
+        for token_id in tokens:
             if first_token_time is None:
                 first_token_time = time.perf_counter()
             ids.append(token_id)
@@ -282,6 +294,8 @@ class TextStream:
         if tail:
             yield tail
         self.result = GenerationResult.of(collector, self.prompt_ids, ids, len(self.new_ids), start, first_token_time)
+        if self.speculate is not None:
+            self.result.drafted, self.result.accepted = self.speculate.drafted, self.speculate.accepted
 
     @property
     def cached_tokens(self) -> int:

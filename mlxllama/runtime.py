@@ -19,6 +19,7 @@ from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
+from .speculative import DraftModel, PromptLookup, Speculation
 from .tokenizer import Tokenizer
 from .tool_calls import ToolCall, read_tool_choice, read_tools, template_message, tool_use
 from .weights import load_model
@@ -81,7 +82,7 @@ class Runtime:
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,
                prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 4,
-               **sampling) -> TextStream:
+               draft: Runtime | int | None = None, draft_tokens: int = 4, **sampling) -> TextStream:
         """Text pieces as they are generated; the stream's `.result` is set once it is exhausted.
 
         A string prompt is tokenized with BOS and no template; `special` parses control tokens in it.
@@ -90,8 +91,11 @@ class Runtime:
         mlxllama.prompt_files) only what follows the longest prefix it holds is prefilled; the
         stream's `cached_tokens` says how many came from it. A `max_kv_size` bounds the KV cache:
         it keeps the first `keep` positions and the last ones (cache.RotatingKVCache), and the
-        prompt and reply may then run past the model's context. Sampling keywords (temperature=,
-        top_k=, seed=… : the fields of SamplingParams) override `params`.
+        prompt and reply may then run past the model's context. `draft` turns on speculative
+        decoding (greedy only): another loaded model of the same vocabulary, or an int n for prompt
+        lookup over n-grams; `draft_tokens` are checked at a time, and the result says how many were
+        drafted and accepted. Sampling keywords (temperature=, top_k=, seed=… : the fields of
+        SamplingParams) override `params`.
         """
         check_kv_size(max_kv_size, keep)
         params = params.with_overrides(**sampling)
@@ -102,8 +106,14 @@ class Runtime:
             cache = prompt_cache.restore(entry, cached, self.model)
         else:
             cache = self.model.make_cache(max_kv_size=max_kv_size, keep=keep)
+        speculation = None
+        if draft is not None:
+            if constraint is not None or max_kv_size:
+                raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
+            drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer)
+            speculation = Speculation(drafter, params, draft_tokens)
         return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params), max_tokens, stop,
-                          new_ids=ids[cached:], guide=guide)
+                          new_ids=ids[cached:], guide=guide, speculate=speculation)
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
              stop: Sequence[str] = (), template: str | None = None, tools: Sequence[dict] | None = None,

@@ -1,0 +1,172 @@
+"""Speculative decoding, greedy: a cheap drafter proposes k tokens, the model checks them all in one
+forward pass, and keeps the longest prefix it agrees with plus the token it picks after it.
+
+Decoding one sequence reads every weight once a token; checking k drafted tokens reads them once
+for up to k + 1. The drafter is a smaller model of the same vocabulary (DraftModel) or the text so
+far (PromptLookup: what followed the last n-gram the last time it occurred, llama.cpp's lookup
+decoding). The model's pick at each drafted position is the greedy pick with the same logits
+processors as plain decoding, over the prefix up to that position, so the output is the plain
+greedy output — up to near-ties, since checking k + 1 positions in one pass rounds differently
+from k + 1 single steps. Rejected positions are trimmed from the cache, which then holds exactly
+what a run that never drafted would hold.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from .errors import MlxLlamaError
+from .generate import check_fits, prefill
+from .logits_processors import apply_logit_bias, apply_repeat_penalty
+from .sampling import SamplingParams
+
+
+def check_greedy(params: SamplingParams) -> None:
+    if params.temperature > 0:
+        raise MlxLlamaError("speculative decoding (--draft-model, --lookup) is greedy only for now: use temperature 0")
+
+
+def pick(logits: mx.array, params: SamplingParams, context: Sequence[int], generated: Counter) -> int:
+    """The greedy token after `context`: plain decoding's processors (repeat, presence and
+    frequency penalties, logit bias), then the argmax."""
+    logits = apply_repeat_penalty(logits, context, params.repeat_penalty, params.repeat_last_n)
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        ids = mx.array(list(generated), mx.uint32)
+        counts = mx.array(list(generated.values()), logits.dtype)
+        logits = logits.at[ids].add(-params.frequency_penalty * counts - params.presence_penalty)
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+    return int(mx.argmax(logits).item())
+
+
+class PromptLookup:
+    """Drafts what followed the latest earlier occurrence of the text's last n-gram (n from
+    `ngram` down to 1): replies that copy from the prompt (edits, summaries, code) draft well."""
+
+    def __init__(self, ngram: int):
+        if ngram < 1:
+            raise MlxLlamaError("--lookup takes the n-gram length to match, at least 1")
+        self.ngram = ngram
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        for size in range(min(self.ngram, len(context) - 1), 0, -1):
+            tail = list(context[-size:])
+            for start in range(len(context) - size - 1, -1, -1):
+                if list(context[start : start + size]) == tail:
+                    return list(context[start + size : start + size + k])
+        return []
+
+
+class DraftModel:
+    """Drafts with a smaller model of the same vocabulary, greedily, from a cache of its own that
+    follows the text (trimmed to what it shares with the text before each proposal)."""
+
+    def __init__(self, runtime, target_tokenizer):
+        check_same_vocabulary(runtime.tokenizer, target_tokenizer, runtime.path)
+        self.model = runtime.model
+        self.cache = runtime.model.make_cache(bounded=False)
+        self.fed: list[int] = []
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        shared = 0
+        for a, b in zip(self.fed, context):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, len(context) - 1)  # at least one token to feed, for the next logits
+        for layer in self.cache:
+            layer.trim(self.cache[0].offset - shared)
+        logits = prefill(self.model, list(context[shared:]), self.cache)
+        drafts = [int(mx.argmax(logits).item())]
+        while len(drafts) < k:
+            drafts.append(int(mx.argmax(self.model.step(mx.array([[drafts[-1]]]), self.cache)[0]).item()))
+        self.fed = list(context) + drafts[:-1]
+        return drafts
+
+
+def check_same_vocabulary(draft, target, path: str) -> None:
+    """The draft's token ids must mean the target's: the same size, pieces and special ids."""
+    if draft.vocab_size != target.vocab_size:
+        raise MlxLlamaError(f"{path}: the draft's vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}")
+    for name in ("bos_id", "eos_id"):
+        if getattr(draft, name) != getattr(target, name):
+            raise MlxLlamaError(f"{path}: the draft's {name} is {getattr(draft, name)}, the model's {getattr(target, name)}")
+    for i in range(target.vocab_size):
+        if draft.id_to_piece(i) != target.id_to_piece(i):
+            raise MlxLlamaError(f"{path}: token {i} is {draft.id_to_piece(i)!r} in the draft's vocabulary,"
+                                f" {target.id_to_piece(i)!r} in the model's")
+
+
+@dataclass
+class Speculation:
+    """A drafter, how many tokens it drafts at a time and the greedy settings they are checked
+    with; counts what it drafted and what was kept. Called as generate_tokens is (TextStream's
+    `speculate`)."""
+
+    drafter: PromptLookup | DraftModel
+    params: SamplingParams
+    k: int = 4
+    drafted: int = 0
+    accepted: int = 0
+
+    def __post_init__(self):
+        check_greedy(self.params)
+        if self.k < 1:
+            raise MlxLlamaError("--draft-tokens must be at least 1")
+
+    def __call__(self, model, cache, new_ids, max_tokens, stop_ids, history) -> Iterator[int]:
+        return speculative_tokens(model, cache, new_ids, self.params, max_tokens, stop_ids, history, self)
+
+
+def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingParams, max_tokens: int,
+                       stop_ids, history: Sequence[int], speculation: Speculation) -> Iterator[int]:
+    """generate_tokens' contract, greedy, with drafts checked k at a time: up to max_tokens ids,
+    each fed into the cache by the end (a stop id is yielded, then generation ends)."""
+    context_length = model.config.context_length
+    check_fits(len(new_ids), context_length)
+    check_fits(cache[0].offset + len(new_ids), context_length)
+    max_tokens = min(max_tokens, context_length - cache[0].offset - len(new_ids))
+    if max_tokens <= 0:
+        return
+    stop_ids = frozenset(stop_ids)
+    context, generated = list(history) + list(new_ids), Counter()
+    token = pick(prefill(model, new_ids, cache), params, context, generated)
+    produced = 0
+    while True:
+        # `token` is decided and not yet fed: emit it, then feed it with the next drafts.
+        context.append(token)
+        generated[token] += 1
+        produced += 1
+        yield token
+        if token in stop_ids or produced == max_tokens:
+            model.step(mx.array([[token]]), cache)  # so the cache holds every yielded id
+            mx.eval([c.state for c in cache])
+            return
+        room = min(speculation.k, max_tokens - produced, context_length - cache[0].offset - 2)
+        drafts = speculation.drafter.propose(context, room) if room > 0 else []
+        logits = model(mx.array([[token] + drafts]), cache)[0]
+        accepted = []
+        for i, draft in enumerate(drafts):
+            if pick(logits[i], params, context + accepted, generated + Counter(accepted)) != draft:
+                break
+            accepted.append(draft)
+        speculation.drafted += len(drafts)
+        speculation.accepted += len(accepted)
+        for layer in cache:
+            layer.trim(len(drafts) - len(accepted))
+        following = pick(logits[len(accepted)], params, context + accepted, generated + Counter(accepted))
+        for n, draft in enumerate(accepted, 1):
+            context.append(draft)
+            generated[draft] += 1
+            produced += 1
+            yield draft
+            if draft in stop_ids or produced == max_tokens:
+                # The cache holds this draft and the accepted ones after it: cut those off.
+                for layer in cache:
+                    layer.trim(len(accepted) - n)
+                return
+        token = following

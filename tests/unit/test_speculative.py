@@ -1,0 +1,123 @@
+"""Speculative decoding, greedy (speculative.py): the output is plain greedy decoding's, drafted
+tokens are counted, and the cache after it holds what a run that never drafted holds."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+import mlxllama
+from mlxllama.cli import main
+from mlxllama.errors import MlxLlamaError
+from mlxllama.generate import generate_tokens
+from mlxllama.sampling import SamplingParams, make_sampler
+from mlxllama.speculative import PromptLookup, Speculation, check_same_vocabulary
+
+from conftest import PACKAGE_DATA, REPO_FIXTURES, find_fixture_model
+
+QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is the capital of Peru?"]
+
+
+@cache
+def load(path) -> mlxllama.Runtime:
+    return mlxllama.load(path)
+
+
+def chat_ids(rt, text):
+    return rt.tokenize(rt.apply_chat_template([{"role": "user", "content": text}]), special=True)
+
+
+def test_a_model_drafting_for_itself_gives_the_same_output_and_is_nearly_always_right():
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    for question in QUESTIONS:
+        ids = chat_ids(rt, question)
+        plain, drafted = rt.generate(ids, 48), rt.generate(ids, 48, draft=rt, draft_tokens=4)
+        assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+        # Its drafts are its own single-step picks; the check's (k+1)-row pass may round a near-tie otherwise.
+        assert drafted.drafted > 0 and drafted.accepted >= 0.9 * drafted.drafted
+
+
+def test_a_q2_k_draft_for_the_f16_model_gives_the_same_greedy_output():
+    target = load(find_fixture_model("chat-tiny-F16.gguf"))
+    draft = load(find_fixture_model("chat-tiny-Q2_K.gguf"))
+    for question in QUESTIONS:
+        ids = chat_ids(target, question)
+        plain = target.generate(ids, 48)
+        for k in (1, 3, 6):
+            result = target.generate(ids, 48, draft=draft, draft_tokens=k)
+            assert result.token_ids == plain.token_ids, (question, k)
+            assert 0 < result.accepted <= result.drafted
+
+
+@pytest.mark.parametrize("model", ["qwen2-tiny-Q8_0.gguf", "llama3-tiny-Q6_K.gguf"])
+def test_prompt_lookup_gives_the_same_output_and_drafts_well_on_repetition(model):
+    # Random-weight models fall into loops, which lookup predicts: a copy task's stand-in.
+    rt = load(REPO_FIXTURES / model)
+    ids = rt.tokenize("Once upon a time")
+    plain = rt.generate(ids, 120)
+    result = rt.generate(ids, 120, draft=2, draft_tokens=6)
+    assert result.token_ids == plain.token_ids
+    assert result.accepted > 0.3 * result.drafted and result.accepted > 40
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 17, 64])
+def test_max_tokens_and_stop_tokens_end_it_exactly_where_plain_decoding_ends(max_tokens):
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    ids = chat_ids(rt, "My name is Zoe.")
+    plain = rt.generate(ids, max_tokens)
+    result = rt.generate(ids, max_tokens, draft=rt, draft_tokens=4)
+    assert (result.token_ids, result.finish_reason) == (plain.token_ids, plain.finish_reason)
+
+
+def test_the_cache_after_it_is_the_cache_of_a_run_that_never_drafted():
+    rt = load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf")
+    ids = rt.tokenize("Once upon a time")
+    plain_cache, spec_cache = rt.new_cache(), rt.new_cache()
+    plain = list(generate_tokens(rt.model, plain_cache, ids, make_sampler(SamplingParams()), 50, ()))
+    speculation = Speculation(PromptLookup(2), SamplingParams(), 5)
+    drafted = list(speculation(rt.model, spec_cache, ids, 50, (), ()))
+    assert drafted == plain and speculation.drafted > speculation.accepted > 0  # some were rolled back
+    assert [c.offset for c in spec_cache] == [c.offset for c in plain_cache] == [len(ids) + 50] * len(spec_cache)
+    following = mx.array([[plain[-1]]])
+    a, b = rt.model(following, plain_cache)[0, -1], rt.model(following, spec_cache)[0, -1]
+    # The drafted positions' keys came from (k+1)-row passes: equal to single steps within rounding.
+    assert float(mx.abs(a - b).max()) < 1e-4
+
+
+def test_penalties_and_bias_are_applied_at_every_drafted_position():
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    ids = chat_ids(rt, "What is the capital of Japan?")
+    settings = dict(repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias=((20377, -100.0),))
+    plain = rt.generate(ids, 40, **settings)
+    assert plain.token_ids != rt.generate(ids, 40).token_ids  # the settings change the output
+    assert rt.generate(ids, 40, draft=rt, **settings).token_ids == plain.token_ids
+
+
+def test_a_draft_with_another_vocabulary_is_a_one_line_error():
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    with pytest.raises(MlxLlamaError, match="the draft's vocabulary has 512 tokens, the model's 32000"):
+        rt.generate("Hi", 4, draft=load(REPO_FIXTURES / "types-tiny-Q8_0.gguf"))
+    other = SimpleNamespace(vocab_size=rt.tokenizer.vocab_size, bos_id=rt.tokenizer.bos_id, eos_id=rt.tokenizer.eos_id,
+                            id_to_piece=lambda i: "▁x" if i == 300 else rt.tokenizer.id_to_piece(i))
+    with pytest.raises(MlxLlamaError, match=r"draft.gguf: token 300 is '▁x' in the draft's vocabulary"):
+        check_same_vocabulary(other, rt.tokenizer, "draft.gguf")
+    with pytest.raises(MlxLlamaError, match="greedy only for now"):
+        rt.generate("Hi", 4, draft=2, temperature=0.7)
+
+
+def test_the_cli_reports_what_was_drafted_and_accepted():
+    model = str(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf")
+    result = CliRunner().invoke(main, ["generate", "-m", model, "-p", "Once upon a time", "--no-template", "-n", "60",
+                                       "--lookup", "2", "--json"])
+    out = json.loads(result.stdout)
+    assert out["drafted"] > out["accepted"] > 0 and out["acceptance"] == round(out["accepted"] / out["drafted"], 4)
+    plain = json.loads(CliRunner().invoke(main, ["generate", "-m", model, "-p", "Once upon a time", "--no-template",
+                                                 "-n", "60", "--json"]).stdout)
+    assert out["token_ids"] == plain["token_ids"] and "drafted" not in plain
+    both = CliRunner().invoke(main, ["generate", "-p", "x", "--lookup", "2", "--draft-model", model])
+    assert both.exit_code == 2 and "--draft-model and --lookup exclude each other" in both.stderr
