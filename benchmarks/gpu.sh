@@ -17,6 +17,7 @@
 #                                                 # profiles, the kernel trace, then llama-bench and llama-batched-bench
 #   bash benchmarks/gpu.sh structured             # there: tg128 with and without a JSON Schema (bench --json-schema),
 #                                                 # with the kernels and on the plain step
+#   bash benchmarks/gpu.sh speculative            # there: tg128 with and without prompt lookup (bench --lookup)
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
 #
@@ -179,6 +180,18 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     done
 }
 
+speculative() {  # prompt lookup on the TinyLlama-shape file: tg with and without it, kernels and plain step
+    mkdir -p "$out"
+    local text="The committee met on Tuesday to review the budget for the new library. "
+    for kernels in 1 0; do
+        log "mlxllama bench --lookup 3, MLXLLAMA_CUDA_KERNELS=$kernels"
+        MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 -m mlxllama bench -m "$model" -p 0 -n 128 -r 5 \
+            --lookup 3 --draft-tokens 5 --draft-prompt "$text$text$text$text" --json > "$out/speculative-$kernels.json"
+        python3 -c "import json; r = json.load(open('$out/speculative-$kernels.json'))
+print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev'], 1)) for t in r['tests']], r['speculation'][:1])"
+    done
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
@@ -187,5 +200,6 @@ case ${1:-} in
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
     structured) structured ;;
-    *) sed -n '2,22p' "$0"; exit 2 ;;
+    speculative) speculative ;;
+    *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

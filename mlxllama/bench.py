@@ -23,6 +23,7 @@ from .generate import generate_tokens, prefill
 from .gguf_file import open_gguf
 from .runtime import Runtime, load
 from .sampling import SamplingParams, make_sampler
+from .speculative import Speculation
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BenchReport:
     load_peak_bytes: int  # peak MLX memory while loading
     run_peak_bytes: int  # peak MLX memory over the tests (weights, cache, activations)
     tests: list[TestResult] = field(default_factory=list)
+    speculation: list[dict] = field(default_factory=list)  # drafted and accepted, a speculative run each
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -110,15 +112,20 @@ def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> floa
     return time.perf_counter() - start
 
 
-def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | None) -> tuple[float, int]:
+def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | None = None,
+              speculation: Speculation | None = None, prompt: list[int] | None = None) -> tuple[float, int]:
     """(seconds, tokens) for up to n_gen greedy tokens of one sequence through the generation loop
-    (generate_tokens), under `constraint` or none, timed from the first token (after a one-token
-    prompt). Without a constraint stop tokens do not end it; with one, a stop token where the
-    output is complete does (a schema of long outputs keeps that rare)."""
+    (generate_tokens, or speculative decoding's), under `constraint` or none, timed from the first
+    token (after a one-token prompt, or `prompt`). Without a constraint stop tokens do not end it;
+    with one, a stop token where the output is complete does (a schema of long outputs keeps that rare)."""
     guide = Guide(constraint, runtime.tokenizer) if constraint is not None else None
     stop_ids = runtime.tokenizer.stop_ids if guide else ()
-    tokens = generate_tokens(runtime.model, runtime.new_cache(), random_ids(runtime, 1, 1, seed)[0],
-                             make_sampler(SamplingParams()), n_gen + 1, stop_ids, guide=guide)
+    ids = prompt or random_ids(runtime, 1, 1, seed)[0]
+    if speculation is not None:
+        tokens = speculation(runtime.model, runtime.new_cache(), ids, n_gen + 1, stop_ids, ())
+    else:
+        tokens = generate_tokens(runtime.model, runtime.new_cache(), ids, make_sampler(SamplingParams()),
+                                 n_gen + 1, stop_ids, guide=guide)
     next(tokens)
     start, count = time.perf_counter(), 0
     for _ in tokens:
@@ -128,11 +135,14 @@ def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | 
 
 def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
         dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None,
-        constraint: Constraint | None = None) -> BenchReport:
+        constraint: Constraint | None = None, draft=None, draft_tokens: int = 4,
+        draft_prompt: str | None = None) -> BenchReport:
     """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test.
 
     With a constraint, two more tests of one sequence through the generation loop, side by side:
-    `tg<n_gen> loop` without it and `tg<n_gen> constrained` with it (the price of the masks)."""
+    `tg<n_gen> loop` without it and `tg<n_gen> constrained` with it (the price of the masks). With
+    a `draft` (a path to a draft model, or an n-gram length for prompt lookup), `tg<n_gen> loop`
+    and `tg<n_gen> speculative` from `draft_prompt` (a copy task suits prompt lookup)."""
     tensor_bytes, params = file_tensor_stats(path)
     # Memory is counted from here, so arrays that the calling process already holds are left out.
     held_before = mx.get_active_memory()
@@ -161,6 +171,20 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     if n_gen and constraint is not None:
         for name, used in ((f"tg{n_gen} loop", None), (f"tg{n_gen} constrained", constraint)):
             tests.append((name, 1, 0, n_gen, lambda seed, used=used: rate(time_loop(runtime, n_gen, seed, used))))
+    if n_gen and draft is not None:
+        drafter = draft if isinstance(draft, int) else load(draft, dtype=dtype, dequantize=dequantize,
+                                                            context_length=context_length)
+        prompt = runtime.tokenize(draft_prompt) if draft_prompt else None
+        report.speculation = []
+
+        def speculative(seed: int) -> float:
+            speculation = runtime.speculation(drafter, SamplingParams(), draft_tokens)
+            speed = rate(time_loop(runtime, n_gen, seed, speculation=speculation, prompt=prompt))
+            report.speculation.append({"drafted": speculation.drafted, "accepted": speculation.accepted})
+            return speed
+
+        tests.append((f"tg{n_gen} loop", 1, 0, n_gen, lambda seed: rate(time_loop(runtime, n_gen, seed, prompt=prompt))))
+        tests.append((f"tg{n_gen} speculative", 1, 0, n_gen, speculative))
     for name, batch, pp, tg, measure in tests:
         measure(repetitions)  # warm-up, on ids no timed run uses
         report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)]))

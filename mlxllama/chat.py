@@ -19,13 +19,15 @@ from .prompt import Template, render_messages, tokenize_rendered, with_system
 from .prompt_cache import PromptCache
 from .runtime import Runtime, check_kv_size
 from .sampling import SamplingParams, make_sampler
+from .speculative import Speculation
 
 
 class ChatSession:
     def __init__(self, runtime: Runtime, template: Template, system: str | None = None,
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: tuple[str, ...] = (),
                  template_kwargs: dict | None = None, notify: Callable[[str], None] = lambda message: None,
-                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 4):
+                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 4,
+                 speculation: Speculation | None = None):
         if template.text is None:
             raise MlxLlamaError("chat needs a chat template; pass --template NAME or --template-file PATH")
         self.runtime, self.template = runtime, template
@@ -36,6 +38,9 @@ class ChatSession:
         # no turn is dropped, the cache keeps the first `keep` positions and the latest ones.
         check_kv_size(max_kv_size, keep)
         self.max_kv_size, self.keep = max_kv_size, keep
+        if speculation is not None and max_kv_size:
+            raise MlxLlamaError("speculative decoding does not take --max-kv-size yet")
+        self.speculation = speculation  # drafts checked by the model (greedy), or None
         self.system = system
         self.messages: list[dict[str, str]] = []
         # Room for the conversation at its longest and one earlier prefix (a system prompt after /reset).
@@ -86,7 +91,8 @@ class ChatSession:
             raise
         cache, keep = self.prompt_cache.take(prompt_ids, self.runtime.model, self.max_kv_size, self.keep)
         stream = TextStream(self.runtime.model, self.runtime.tokenizer, cache, prompt_ids,
-                            make_sampler(self.params), self.max_tokens, self.stop, new_ids=prompt_ids[keep:])
+                            make_sampler(self.params), self.max_tokens, self.stop, new_ids=prompt_ids[keep:],
+                            speculate=self.speculation)
         try:
             yield from stream
         except BaseException:

@@ -272,8 +272,9 @@ def inspect_command(model_path, as_json):
 @sampling_options
 @prompt_cache_option
 @kv_size_options
+@speculation_options
 def chat(model_path, template_name, template_file, template_kwargs, system, prompt_cache_file, max_kv_size, keep,
-         **sampling):
+         draft_model, lookup, draft_tokens, **sampling):
     """Chat with a model; the conversation stays in the KV cache between turns.
 
     Reads one message per line from a pipe too:
@@ -292,9 +293,11 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     template = choose_template(runtime.chat_template, template_name, template_file)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
-    session = ChatSession(runtime, template, system, sampling_params(sampling), sampling["max_tokens"],
+    params = sampling_params(sampling)
+    session = ChatSession(runtime, template, system, params, sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True),
-                          max_kv_size=max_kv_size, keep=keep)
+                          max_kv_size=max_kv_size, keep=keep,
+                          speculation=runtime.speculation(load_draft(draft_model, lookup), params, draft_tokens))
     saved = load_prompt_cache(prompt_cache_file, runtime, template)
     if saved is not None:
         # The conversation starts with its system prompt: the cached prefix must be that.
@@ -448,8 +451,12 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @dequantize_option
 @context_option
 @constraint_options
+@speculation_options
+@click.option("--draft-prompt", metavar="TEXT", help="With --lookup or --draft-model: the raw prompt the tg tests start"
+              " from (a copy task for lookup).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, as_json):
+def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, draft_model, lookup,
+                  draft_tokens, draft_prompt, as_json):
     """Prompt (pp) and generation (tg) tokens/s, load time and memory, in the style of llama-bench.
 
     \b
@@ -474,7 +481,8 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
                 synthetic_models.write(model_path, synthetic, quant)
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
                            dequantize=dequantize_requested(), context_length=context_requested(),
-                           constraint=requested_constraint())
+                           constraint=requested_constraint(), draft=draft_model or lookup, draft_tokens=draft_tokens,
+                           draft_prompt=draft_prompt)
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
 
 

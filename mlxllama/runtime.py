@@ -106,12 +106,9 @@ class Runtime:
             cache = prompt_cache.restore(entry, cached, self.model)
         else:
             cache = self.model.make_cache(max_kv_size=max_kv_size, keep=keep)
-        speculation = None
-        if draft is not None:
-            if constraint is not None or max_kv_size:
-                raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
-            drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer)
-            speculation = Speculation(drafter, params, draft_tokens)
+        if draft is not None and (constraint is not None or max_kv_size):
+            raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
+        speculation = self.speculation(draft, params, draft_tokens)
         return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params), max_tokens, stop,
                           new_ids=ids[cached:], guide=guide, speculate=speculation)
 
@@ -140,6 +137,15 @@ class Runtime:
         content, calls = use.read_reply(self.tokenizer, result.token_ids) if use else (result.text, [])
         return ChatReply(content if calls else result.text, calls, "tool_calls" if calls else result.finish_reason,
                          result)
+
+    def speculation(self, draft: Runtime | int | None, params: SamplingParams, draft_tokens: int = 4
+                    ) -> Speculation | None:
+        """Speculative decoding's drafter for this model: another model of its vocabulary, or an
+        int n for prompt lookup over n-grams (None: no speculation)."""
+        if draft is None:
+            return None
+        drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer)
+        return Speculation(drafter, params, draft_tokens)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                  stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,

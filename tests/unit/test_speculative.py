@@ -121,3 +121,16 @@ def test_the_cli_reports_what_was_drafted_and_accepted():
     assert out["token_ids"] == plain["token_ids"] and "drafted" not in plain
     both = CliRunner().invoke(main, ["generate", "-p", "x", "--lookup", "2", "--draft-model", model])
     assert both.exit_code == 2 and "--draft-model and --lookup exclude each other" in both.stderr
+
+
+def test_a_chat_with_a_draft_model_says_what_it_says_without_one():
+    from mlxllama.chat import ChatSession
+    from mlxllama.prompt import choose_template
+
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    template = choose_template(rt.chat_template)
+    plain = ChatSession(rt, template, max_tokens=48)
+    drafting = ChatSession(rt, template, max_tokens=48, speculation=rt.speculation(rt, SamplingParams(), 4))
+    for question in QUESTIONS:
+        assert "".join(drafting.send(question)) == "".join(plain.send(question))
+    assert drafting.last_cached > 0 and drafting.speculation.accepted > 0
