@@ -40,7 +40,7 @@ class ChatSession:
         self.max_kv_size, self.keep = max_kv_size, keep
         if speculation is not None and max_kv_size:
             raise MlxLlamaError("speculative decoding does not take --max-kv-size yet")
-        self.speculation = speculation  # drafts checked by the model (greedy), or None
+        self.speculation = speculation  # drafts the model checks, or None
         self.system = system
         self.messages: list[dict[str, str]] = []
         # Room for the conversation at its longest and one earlier prefix (a system prompt after /reset).

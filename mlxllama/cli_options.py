@@ -222,9 +222,9 @@ def kv_size_options(f):
 def speculation_options(f):
     options = [
         click.option("--draft-model", metavar="GGUF", type=click.Path(dir_okay=False),
-                     help="Speculative decoding (greedy): a smaller model of the same vocabulary drafts, the model checks."),
+                     help="Speculative decoding: a smaller model of the same vocabulary drafts, the model checks."),
         click.option("--lookup", type=int, default=None, metavar="N",
-                     help="Speculative decoding (greedy) by prompt lookup: draft what followed the last N-gram before."),
+                     help="Speculative decoding by prompt lookup: draft what followed the last N-gram before."),
         click.option("--draft-tokens", type=int, default=4, show_default=True, metavar="K",
                      help="Tokens drafted and checked at a time."),
     ]

@@ -92,9 +92,10 @@ class Runtime:
         stream's `cached_tokens` says how many came from it. A `max_kv_size` bounds the KV cache:
         it keeps the first `keep` positions and the last ones (cache.RotatingKVCache), and the
         prompt and reply may then run past the model's context. `draft` turns on speculative
-        decoding (greedy only): another loaded model of the same vocabulary, or an int n for prompt
-        lookup over n-grams; `draft_tokens` are checked at a time, and the result says how many were
-        drafted and accepted. Sampling keywords (temperature=, top_k=, seed=… : the fields of
+        decoding: another loaded model of the same vocabulary, or an int n for prompt lookup over
+        n-grams; `draft_tokens` are checked at a time, and the result says how many were drafted
+        and accepted. Greedy output is the plain greedy output; sampled tokens follow the model's
+        distribution exactly. Sampling keywords (temperature=, top_k=, seed=… : the fields of
         SamplingParams) override `params`.
         """
         check_kv_size(max_kv_size, keep)

@@ -1,14 +1,21 @@
-"""Speculative decoding, greedy: a cheap drafter proposes k tokens, the model checks them all in one
-forward pass, and keeps the longest prefix it agrees with plus the token it picks after it.
+"""Speculative decoding: a cheap drafter proposes k tokens, the model checks them all in one
+forward pass, and keeps the longest prefix it agrees with plus one token of its own.
 
 Decoding one sequence reads every weight once a token; checking k drafted tokens reads them once
 for up to k + 1. The drafter is a smaller model of the same vocabulary (DraftModel) or the text so
 far (PromptLookup: what followed the last n-gram the last time it occurred, llama.cpp's lookup
-decoding). The model's pick at each drafted position is the greedy pick with the same logits
-processors as plain decoding, over the prefix up to that position, so the output is the plain
-greedy output — up to near-ties, since checking k + 1 positions in one pass rounds differently
-from k + 1 single steps. Rejected positions are trimmed from the cache, which then holds exactly
-what a run that never drafted would hold.
+decoding). The model's distribution at each drafted position is plain decoding's — the same
+logits processors (penalties over that position's prefix, bias), temperature and filters — so:
+
+- greedy, a draft is kept where it is the model's pick, and the output is the plain greedy output
+  (up to near-ties: checking k + 1 positions in one pass rounds differently from k + 1 single
+  steps);
+- sampled, a draft d drawn from the drafter's distribution q is kept with probability
+  min(1, p(d) / q(d)), else the token is drawn from max(0, p - q) normalized, which makes each
+  token follow p exactly (the standard rule); prompt lookup's q is all on its draft.
+
+Rejected positions are trimmed from the cache, which then holds exactly what a run that never
+drafted would hold.
 """
 
 from __future__ import annotations
@@ -22,17 +29,12 @@ import mlx.core as mx
 from .errors import MlxLlamaError
 from .generate import check_fits, prefill
 from .logits_processors import apply_logit_bias, apply_repeat_penalty
-from .sampling import SamplingParams
+from .sampling import SamplingParams, filter_logits
 
 
-def check_greedy(params: SamplingParams) -> None:
-    if params.temperature > 0:
-        raise MlxLlamaError("speculative decoding (--draft-model, --lookup) is greedy only for now: use temperature 0")
-
-
-def pick(logits: mx.array, params: SamplingParams, context: Sequence[int], generated: Counter) -> int:
-    """The greedy token after `context`: plain decoding's processors (repeat, presence and
-    frequency penalties, logit bias), then the argmax."""
+def processed(logits: mx.array, params: SamplingParams, context: Sequence[int], generated: Counter) -> mx.array:
+    """Plain decoding's logits processors after `context` (repeat, presence and frequency
+    penalties, logit bias), as sampling.make_sampler applies them."""
     logits = apply_repeat_penalty(logits, context, params.repeat_penalty, params.repeat_last_n)
     if generated and (params.presence_penalty or params.frequency_penalty):
         ids = mx.array(list(generated), mx.uint32)
@@ -40,7 +42,62 @@ def pick(logits: mx.array, params: SamplingParams, context: Sequence[int], gener
         logits = logits.at[ids].add(-params.frequency_penalty * counts - params.presence_penalty)
     if params.logit_bias:
         logits = apply_logit_bias(logits, params.logit_bias)
-    return int(mx.argmax(logits).item())
+    return logits
+
+
+def distribution(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The probabilities plain sampling draws from, given processed logits (temperature > 0)."""
+    return mx.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p))
+
+
+class Chooser:
+    """The model's choice at a position, greedy or sampled, with its own seeded random stream."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def _next_key(self):
+        if self.key is None:
+            return None
+        self.key, step = mx.random.split(self.key)
+        return step
+
+    def draw(self, probs: mx.array) -> int:
+        return int(mx.random.categorical(mx.log(probs), key=self._next_key()).item())
+
+    def uniform(self) -> float:
+        return float(mx.random.uniform(key=self._next_key()).item())
+
+    def pick(self, logits: mx.array, context: Sequence[int], generated: Counter) -> int:
+        """The model's token after `context` from its logits there."""
+        logits = processed(logits, self.params, context, generated)
+        if self.params.temperature <= 0:
+            return int(mx.argmax(logits).item())
+        return self.draw(distribution(logits, self.params))
+
+    def check(self, logits: mx.array, context: Sequence[int], generated: Counter, draft: int,
+              q: mx.array | None) -> tuple[bool, int]:
+        """(kept, token) for a draft at a position: greedy keeps it where it is the model's pick;
+        sampled keeps it with probability min(1, p(d) / q(d)) (q None: all on the draft), else
+        draws from max(0, p - q) normalized."""
+        logits = processed(logits, self.params, context, generated)
+        if self.params.temperature <= 0:
+            token = int(mx.argmax(logits).item())
+            return token == draft, token
+        return rejection_step(distribution(logits, self.params), q, draft, self)
+
+
+def rejection_step(p: mx.array, q: mx.array | None, draft: int, chooser: Chooser) -> tuple[bool, int]:
+    """The standard rule: keep `draft` (drawn from q) with probability min(1, p/q) at it, else draw
+    from the residual max(0, p - q), normalized; the token is then distributed as p."""
+    q_draft = 1.0 if q is None else float(q[draft].item())
+    if chooser.uniform() * q_draft < float(p[draft].item()):
+        return True, draft
+    residual = p.at[draft].add(-1.0) if q is None else p - q
+    residual = mx.maximum(residual, 0.0)
+    mass = float(residual.sum().item())
+    return False, chooser.draw(residual / mass if mass > 0 else p)  # (no mass left: p itself, by rounding)
 
 
 class PromptLookup:
@@ -52,13 +109,15 @@ class PromptLookup:
             raise MlxLlamaError("--lookup takes the n-gram length to match, at least 1")
         self.ngram = ngram
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[None]]:
+        """Up to k drafts; their distribution is all on them (None)."""
         for size in range(min(self.ngram, len(context) - 1), 0, -1):
             tail = list(context[-size:])
             for start in range(len(context) - size - 1, -1, -1):
                 if list(context[start : start + size]) == tail:
-                    return list(context[start + size : start + size + k])
-        return []
+                    drafts = list(context[start + size : start + size + k])
+                    return drafts, [None] * len(drafts)
+        return [], []
 
 
 class DraftModel:
@@ -71,7 +130,9 @@ class DraftModel:
         self.cache = runtime.model.make_cache(bounded=False)
         self.fed: list[int] = []
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[mx.array | None]]:
+        """Up to k drafts after `context`, greedy or drawn from the draft's own distribution (with
+        the model's sampling settings), and that distribution at each (None when greedy)."""
         shared = 0
         for a, b in zip(self.fed, context):
             if a != b:
@@ -81,11 +142,20 @@ class DraftModel:
         for layer in self.cache:
             layer.trim(self.cache[0].offset - shared)
         logits = prefill(self.model, list(context[shared:]), self.cache)
-        drafts = [int(mx.argmax(logits).item())]
-        while len(drafts) < k:
-            drafts.append(int(mx.argmax(self.model.step(mx.array([[drafts[-1]]]), self.cache)[0]).item()))
+        drafts, qs = [], []
+        while True:
+            logits = processed(logits, chooser.params, list(context) + drafts, Counter())
+            if chooser.params.temperature <= 0:
+                drafts.append(int(mx.argmax(logits).item()))
+                qs.append(None)
+            else:
+                qs.append(distribution(logits, chooser.params))
+                drafts.append(chooser.draw(qs[-1]))
+            if len(drafts) == k:
+                break
+            logits = self.model.step(mx.array([[drafts[-1]]]), self.cache)[0]
         self.fed = list(context) + drafts[:-1]
-        return drafts
+        return drafts, qs
 
 
 def check_same_vocabulary(draft, target, path: str) -> None:
@@ -103,7 +173,7 @@ def check_same_vocabulary(draft, target, path: str) -> None:
 
 @dataclass
 class Speculation:
-    """A drafter, how many tokens it drafts at a time and the greedy settings they are checked
+    """A drafter, how many tokens it drafts at a time and the sampling settings they are checked
     with; counts what it drafted and what was kept. Called as generate_tokens is (TextStream's
     `speculate`)."""
 
@@ -114,7 +184,6 @@ class Speculation:
     accepted: int = 0
 
     def __post_init__(self):
-        check_greedy(self.params)
         if self.k < 1:
             raise MlxLlamaError("--draft-tokens must be at least 1")
 
@@ -134,7 +203,8 @@ def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingPar
         return
     stop_ids = frozenset(stop_ids)
     context, generated = list(history) + list(new_ids), Counter()
-    token = pick(prefill(model, new_ids, cache), params, context, generated)
+    chooser = Chooser(params)
+    token = chooser.pick(prefill(model, new_ids, cache), context, generated)
     produced = 0
     while True:
         # `token` is decided and not yet fed: emit it, then feed it with the next drafts.
@@ -147,18 +217,21 @@ def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingPar
             mx.eval([c.state for c in cache])
             return
         room = min(speculation.k, max_tokens - produced, context_length - cache[0].offset - 2)
-        drafts = speculation.drafter.propose(context, room) if room > 0 else []
+        drafts, qs = speculation.drafter.propose(context, room, chooser) if room > 0 else ([], [])
         logits = model(mx.array([[token] + drafts]), cache)[0]
-        accepted = []
+        accepted, following = [], None
         for i, draft in enumerate(drafts):
-            if pick(logits[i], params, context + accepted, generated + Counter(accepted)) != draft:
+            kept, chosen = chooser.check(logits[i], context + accepted, generated + Counter(accepted), draft, qs[i])
+            if not kept:
+                following = chosen  # the model's own token in the rejected draft's place
                 break
             accepted.append(draft)
         speculation.drafted += len(drafts)
         speculation.accepted += len(accepted)
         for layer in cache:
             layer.trim(len(drafts) - len(accepted))
-        following = pick(logits[len(accepted)], params, context + accepted, generated + Counter(accepted))
+        if following is None:  # every draft kept: the model's token after them, from the last row
+            following = chooser.pick(logits[len(accepted)], context + accepted, generated + Counter(accepted))
         for n, draft in enumerate(accepted, 1):
             context.append(draft)
             generated[draft] += 1

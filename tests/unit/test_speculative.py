@@ -1,9 +1,11 @@
-"""Speculative decoding, greedy (speculative.py): the output is plain greedy decoding's, drafted
-tokens are counted, and the cache after it holds what a run that never drafted holds."""
+"""Speculative decoding (speculative.py): greedy output is plain greedy decoding's, sampled tokens
+follow the model's distribution (the rejection rule), drafted tokens are counted, and the cache
+after it holds what a run that never drafted holds."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import cache
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ from mlxllama.cli import main
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import generate_tokens
 from mlxllama.sampling import SamplingParams, make_sampler
-from mlxllama.speculative import PromptLookup, Speculation, check_same_vocabulary
+from mlxllama.speculative import Chooser, PromptLookup, Speculation, check_same_vocabulary, rejection_step
 
 from conftest import PACKAGE_DATA, REPO_FIXTURES, find_fixture_model
 
@@ -106,8 +108,6 @@ def test_a_draft_with_another_vocabulary_is_a_one_line_error():
                             id_to_piece=lambda i: "▁x" if i == 300 else rt.tokenizer.id_to_piece(i))
     with pytest.raises(MlxLlamaError, match=r"draft.gguf: token 300 is '▁x' in the draft's vocabulary"):
         check_same_vocabulary(other, rt.tokenizer, "draft.gguf")
-    with pytest.raises(MlxLlamaError, match="greedy only for now"):
-        rt.generate("Hi", 4, draft=2, temperature=0.7)
 
 
 def test_the_cli_reports_what_was_drafted_and_accepted():
@@ -134,3 +134,73 @@ def test_a_chat_with_a_draft_model_says_what_it_says_without_one():
     for question in QUESTIONS:
         assert "".join(drafting.send(question)) == "".join(plain.send(question))
     assert drafting.last_cached > 0 and drafting.speculation.accepted > 0
+
+
+def two_sample_chi_square(table: list[list[int]]) -> tuple[float, int]:
+    """Pearson's statistic for two rows of counts over the same categories, and its degrees of freedom."""
+    rows, columns = [sum(r) for r in table], [sum(c) for c in zip(*table)]
+    total = sum(rows)
+    statistic = sum((table[r][c] - rows[r] * columns[c] / total) ** 2 / (rows[r] * columns[c] / total)
+                    for r in range(2) for c in range(len(columns)))
+    return statistic, len(columns) - 1
+
+
+def chi_square_999(dof: int) -> float:
+    """The chi-square distribution's 99.9% point (Wilson and Hilferty's approximation, within 1%)."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + 3.0902 * a**0.5) ** 3
+
+
+def chi_square(counts: dict[int, int], expected: dict[int, float]) -> float:
+    n = sum(counts.values())
+    return sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in expected.items())
+
+
+@pytest.mark.parametrize("q", [[0.1, 0.4, 0.1, 0.3, 0.1], None])
+def test_the_rejection_rule_leaves_tokens_distributed_as_the_model_says(q):
+    """Drafts drawn from q (or always token 1, as prompt lookup drafts), kept or replaced by the
+    rule: over 4,000 draws the tokens follow p. Chi-square with 4 degrees of freedom, against 18.47
+    (the 0.1% level: a correct rule fails one run in a thousand; the seeds fix the run)."""
+    import numpy as np
+
+    p = mx.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    chooser = Chooser(SamplingParams(temperature=1.0, seed=11))
+    rng = np.random.default_rng(5)
+    counts = Counter()
+    for _ in range(4000):
+        draft = int(rng.choice(5, p=q)) if q is not None else 1
+        counts[rejection_step(p, mx.array(q) if q is not None else None, draft, chooser)[1]] += 1
+    assert chi_square(counts, dict(enumerate(p.tolist()))) < 18.47, counts
+
+
+def test_sampled_speculation_draws_what_plain_sampling_draws():
+    """Over 300 seeds, the second and third tokens of a sampled continuation (the ones drafts
+    decide) with a Q2_K draft and without: a two-sample chi-square over the tokens seen at least
+    10 times, against the 0.1% level for their count (the seeds fix the run)."""
+    target = load(find_fixture_model("chat-tiny-F16.gguf"))
+    draft = load(find_fixture_model("chat-tiny-Q2_K.gguf"))
+    ids = target.tokenize("What is")  # a raw prompt: many likely continuations, drafts kept and rejected
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    plain, drafted = [Counter(), Counter()], [Counter(), Counter()]
+    accepted = 0
+    for seed in range(300):
+        a = target.generate(ids, 3, seed=seed, **settings).token_ids
+        result = target.generate(ids, 3, seed=seed, draft=draft, draft_tokens=3, **settings)
+        accepted += result.accepted
+        for i in (0, 1):
+            plain[i][a[i + 1]] += 1
+            drafted[i][result.token_ids[i + 1]] += 1
+    assert accepted > 150  # the draft's tokens were checked and mostly kept, not skipped
+    for i in (0, 1):
+        common = [t for t in plain[i] | drafted[i] if plain[i][t] + drafted[i][t] >= 10]
+        assert len(common) >= 4, (i, plain[i])
+        table = [[plain[i][t] for t in common], [drafted[i][t] for t in common]]
+        statistic, dof = two_sample_chi_square(table)
+        assert statistic < chi_square_999(dof), (i, table)
+
+
+def test_a_seeded_sampled_run_is_reproducible():
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    ids = chat_ids(rt, "My name is Zoe.")
+    runs = [rt.generate(ids, 24, temperature=0.9, seed=3, draft=2).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
