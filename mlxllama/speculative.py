@@ -121,8 +121,8 @@ class PromptLookup:
 
 
 class DraftModel:
-    """Drafts with a smaller model of the same vocabulary, greedily, from a cache of its own that
-    follows the text (trimmed to what it shares with the text before each proposal)."""
+    """Drafts with a smaller model of the same vocabulary, from a cache of its own that follows the
+    text (trimmed to what it shares with the text before each proposal)."""
 
     def __init__(self, runtime, target_tokenizer):
         check_same_vocabulary(runtime.tokenizer, target_tokenizer, runtime.path)
@@ -193,8 +193,8 @@ class Speculation:
 
 def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingParams, max_tokens: int,
                        stop_ids, history: Sequence[int], speculation: Speculation) -> Iterator[int]:
-    """generate_tokens' contract, greedy, with drafts checked k at a time: up to max_tokens ids,
-    each fed into the cache by the end (a stop id is yielded, then generation ends)."""
+    """generate_tokens' contract, with drafts checked k at a time: up to max_tokens ids, each fed
+    into the cache by the end (a stop id is yielded, then generation ends)."""
     context_length = model.config.context_length
     check_fits(len(new_ids), context_length)
     check_fits(cache[0].offset + len(new_ids), context_length)
