@@ -70,8 +70,14 @@ def test_chunked_passes_equal_the_masked_full_pass(name, max_size, keep, chunk, 
         assert rotating and all(layer.offset == fed for layer in kv)  # positions advance by what is fed
         largest = max(largest, max(layer.keys.shape[2] for layer in rotating))
     got, want = mx.concatenate(rows), reference_logits(rt, ids, max_size, keep)
-    # The same products over the same kept keys: equal within float32 rounding of the masked sums.
-    assert float(mx.abs(got - want).max()) < 1e-4
+    difference = mx.abs(got - want)
+    if rt.model.compute_dtype == mx.float32:
+        # The same products over the same kept keys: equal within float32 rounding of the masked sums.
+        assert float(difference.max()) < 1e-4
+    else:
+        # float16 on a GPU: chunks and one pass round differently, rotation or not (an H100 measured
+        # up to 0.13, mean 0.0024, for both); an unmasked pass differs by tens.
+        assert float(difference.max()) < 0.25 and float(difference.mean()) < 5e-3
     assert largest <= max_size + min(chunk, len(ids)) + GROWTH_STEP  # bounded, whatever the length
     assert rotating[0].start > keep  # it did drop positions
 
@@ -85,8 +91,12 @@ def test_generation_past_the_wrap_and_the_context_follows_the_reference():
     logits = reference_logits(rt, list(prompt) + result.token_ids, 96, 4)[len(prompt) - 1 : -1]
     for n, token in enumerate(result.token_ids):
         top = mx.topk(logits[n], 2)
-        # greedy equal up to near-ties (1e-3: two float32 computations of the same sums)
-        assert token == int(mx.argmax(logits[n])) or float(top.max() - top.min()) < 1e-3, n
+        # greedy equal up to near-ties (1e-3 for two float32 computations of the same sums; float16
+        # on a GPU: the parity tests' 0.08)
+        tie = 1e-3 if rt.model.compute_dtype == mx.float32 else 0.08
+        assert token == int(mx.argmax(logits[n])) or float(top.max() - top.min()) < tie, n
+        if token != int(mx.argmax(logits[n])):
+            break  # past a near-tie the two runs follow different texts
 
 
 def test_chat_goes_on_past_the_context_in_bounded_memory():
