@@ -219,7 +219,8 @@ def cache_prompt(model_path, prompt_text, prompt_file, no_template, template_nam
     from .prompt import choose_template, messages_for
     from .prompt_files import prefix_ids, save
 
-    if (prompt_text is None) == (prompt_file is None) and not (system and prompt_text is None and prompt_file is None):
+    given = [text for text in (prompt_text, prompt_file) if text is not None]
+    if len(given) > 1 or not given and not system:
         raise MlxLlamaError("give the text to cache: -p TEXT or --file FILE (or --system alone)")
     check_no_template(no_template, system, False, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)

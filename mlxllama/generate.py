@@ -38,6 +38,19 @@ def check_fits(n_tokens: int, context_length: int, hint: str = "") -> None:
         raise MlxLlamaError(f"prompt is {count(n_tokens, 'token')}, more than the model's context of {context_length}{hint}")
 
 
+def generation_room(model: Transformer, cache: list[KVCache], new_ids: Sequence[int], max_tokens: int) -> int:
+    """How many tokens may follow new_ids fed on top of the cache: max_tokens, less what would pass
+    the model's context (checked to fit, with new_ids, first). A rotating cache holds a bounded
+    window whatever the positions, so with one they may pass the context."""
+    if rotates(cache):
+        check_fits(len(new_ids), len(new_ids))  # only that there is something to feed
+        return max_tokens
+    context_length = model.config.context_length
+    check_fits(len(new_ids), context_length)
+    check_fits(cache[0].offset + len(new_ids), context_length)
+    return min(max_tokens, context_length - cache[0].offset - len(new_ids))
+
+
 def truncate_prompt(ids: Sequence[int], context_length: int, max_tokens: int, bos_id: int | None) -> list[int]:
     """The prompt cut to leave room for the reply, the policy of `generate --truncate`.
 
@@ -73,12 +86,7 @@ def generate_tokens(
     next token needs the current token's value, so the host reads that while the device runs the
     next step's forward pass, and builds the mask then: only the sampling waits for it.
     """
-    # A rotating cache holds a bounded window whatever the positions: they may pass the context.
-    bounded = not rotates(cache)
-    check_fits(len(new_ids), model.config.context_length if bounded else len(new_ids))
-    if bounded:
-        check_fits(cache[0].offset + len(new_ids), model.config.context_length)
-        max_tokens = min(max_tokens, model.config.context_length - cache[0].offset - len(new_ids))
+    max_tokens = generation_room(model, cache, new_ids, max_tokens)
     stop_ids = frozenset(stop_ids)
     context = list(history) + list(new_ids)
     if max_tokens <= 0:

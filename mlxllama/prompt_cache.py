@@ -53,7 +53,7 @@ class PromptCache:
         the logits of the reply)."""
         best, length = None, 0
         for entry in self.entries:
-            n = _common_prefix(entry.ids, ids, len(ids) - 1)
+            n = common_prefix(entry.ids, ids, len(ids) - 1)
             if n > length and entry.holds(n, bounded):
                 best, length = entry, n
         if best is not None:
@@ -114,7 +114,8 @@ def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
         layer.restore(cut(keys, slots), cut(values, slots), start, length)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:
+    """How many leading ids a and b share, at most `most`."""
     n = 0
     for x, y in zip(a, b):
         if x != y or n == most:

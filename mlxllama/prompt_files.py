@@ -26,7 +26,7 @@ from .files import replace_atomically
 from .generate import prefill
 from .gguf_file import open_gguf
 from .prompt import Template, build_prompt, tokenize_rendered
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, common_prefix
 from .tokenizer import Tokenizer
 
 FORMAT = "mlxllama-prompt-cache/1"
@@ -101,8 +101,8 @@ class SavedPrefix:
 
     def check_starts(self, ids: list[int]) -> None:
         """A prompt that does not start with the saved prefix is an error: reusing it would be wrong."""
-        if ids[: len(self.ids)] != self.ids:
-            part = next((i for i, (a, b) in enumerate(zip(ids, self.ids)) if a != b), min(len(ids), len(self.ids)))
+        part = common_prefix(ids, self.ids, len(self.ids))
+        if part < len(self.ids):
             raise MlxLlamaError(f"{self.path}: the prompt does not start with the cached prefix of "
                                 f"{count(len(self.ids), 'token')} (they part at token {part})")
 

@@ -27,8 +27,9 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .errors import MlxLlamaError
-from .generate import check_fits, prefill
+from .generate import generation_room, prefill
 from .logits_processors import apply_logit_bias, apply_repeat_penalty
+from .prompt_cache import common_prefix
 from .sampling import SamplingParams, filter_logits
 
 
@@ -133,12 +134,7 @@ class DraftModel:
     def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[mx.array | None]]:
         """Up to k drafts after `context`, greedy or drawn from the draft's own distribution (with
         the model's sampling settings), and that distribution at each (None when greedy)."""
-        shared = 0
-        for a, b in zip(self.fed, context):
-            if a != b:
-                break
-            shared += 1
-        shared = min(shared, len(context) - 1)  # at least one token to feed, for the next logits
+        shared = common_prefix(self.fed, context, len(context) - 1)  # at least one token to feed, for the next logits
         for layer in self.cache:
             layer.trim(self.cache[0].offset - shared)
         logits = prefill(self.model, list(context[shared:]), self.cache)
@@ -196,9 +192,7 @@ def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingPar
     """generate_tokens' contract, with drafts checked k at a time: up to max_tokens ids, each fed
     into the cache by the end (a stop id is yielded, then generation ends)."""
     context_length = model.config.context_length
-    check_fits(len(new_ids), context_length)
-    check_fits(cache[0].offset + len(new_ids), context_length)
-    max_tokens = min(max_tokens, context_length - cache[0].offset - len(new_ids))
+    max_tokens = generation_room(model, cache, new_ids, max_tokens)
     if max_tokens <= 0:
         return
     stop_ids = frozenset(stop_ids)
