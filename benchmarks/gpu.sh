@@ -7,9 +7,9 @@
 #                                                 # in the machine's image), xz-compressed and split in parts of what 64 MiB less the tree leaves, so that
 #                                                 # each call carries one part beside the repository (64 MiB a call);
 #                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's)
-#                                                 # as .whl/p0
-#   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the part with
-#                                                 # llama.cpp's source also starts building it in the background
+#                                                 # as .whl/l1 .. (stash them first)
+#   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the last part
+#                                                 # of llama.cpp's source also starts building it in the background
 #   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
 #                                                 # TinyLlama-shape Q4_K_M file (mlxllama bench --synthetic's)
 #   bash benchmarks/gpu.sh test [PYTEST ARGS]     # there: the whole suite on the GPU (tests/cuda runs only there)
@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu.sh structured             # there: tg128 with and without a JSON Schema (bench --json-schema),
 #                                                 # with the kernels and on the plain step
 #   bash benchmarks/gpu.sh speculative            # there: tg128 with and without prompt lookup (bench --lookup)
+#   bash benchmarks/gpu.sh kv                     # there: pp512 and tg128 at depth 0 and 8192 with the cache
+#                                                 # unquantized (kernels and plain step), --kv-bits 8 and 4, then
+#                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
 #
@@ -69,9 +72,16 @@ payload() {
             > "$cut/tools/CMakeLists.txt"
         cp -r "$full"/ggml/{CMakeLists.txt,cmake,include} "$cut/ggml/"
         cp -r "$full"/ggml/src/{CMakeLists.txt,*.c,*.cpp,*.h,*.in,ggml-cpu,ggml-cuda,ggml-blas} "$cut/ggml/src/"
-        # a part of its own, stashed first so that the build starts early
-        mkdir -p .whl/p0
-        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > .whl/p0/llama.cpp.tar.xz
+        # parts of their own (.whl/l1 ..), stashed first so that the build starts early: the stash of
+        # the last starts it
+        rm -rf .whl/l[0-9]*
+        tar cf - -C "$tmp" llama.cpp | xz -6 -T0 > "$tmp/llama.cpp.tar.xz"
+        split -b $part -d -a 2 "$tmp/llama.cpp.tar.xz" "$tmp/llama.part"
+        local n=0 total
+        total=$(ls "$tmp"/llama.part* | wc -l)
+        for f in "$tmp"/llama.part*; do
+            n=$((n + 1)); mkdir -p ".whl/l$n"; mv "$f" ".whl/l$n/"; echo "$total" > ".whl/l$n/llama.parts"
+        done
     fi
     rm -rf "$tmp"
     du -sh .whl/p*
@@ -79,9 +89,9 @@ payload() {
 
 stash() {
     mkdir -p "$work"
-    cp "$1"/site.part* "$work/" 2> /dev/null
-    if [ -f "$1/llama.cpp.tar.xz" ]; then
-        tar xJf "$1/llama.cpp.tar.xz" -C "$work"
+    cp "$1"/site.part* "$1"/llama.part* "$1"/llama.parts "$work/" 2> /dev/null
+    if [ -f "$1/llama.parts" ] && [ "$(ls "$work"/llama.part?? | wc -l)" = "$(cat "$work/llama.parts")" ]; then
+        cat "$work"/llama.part?? | tar xJ -C "$work"
         setsid nohup bash benchmarks/build_llama_cpp.sh "$work/llama.cpp" "$work/llama-build" \
             > "$work/build.log" 2>&1 < /dev/null &
     fi
@@ -192,6 +202,32 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     done
 }
 
+kv_depth() {  # the quantized KV cache at depth, side by side with llama.cpp's quantized cache
+    mkdir -p "$out"
+    local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf run bits kernels
+    [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
+    # A quantized cache always decodes through the plain step: the kernels run only unquantized.
+    for run in none:1 none:0 8:0 4:0; do
+        bits=${run%:*} kernels=${run#*:}
+        log "mlxllama bench -d 0,8192 --kv-bits $bits, MLXLLAMA_CUDA_KERNELS=$kernels"
+        MLXLLAMA_CUDA_KERNELS=$kernels timeout 240 python3 -m mlxllama bench -m "$deep" -p 512 -n 128 -r 2 \
+            -d 0,8192 $([ $bits = none ] || echo --kv-bits $bits) --json > "$out/kv-$bits-$kernels.json"
+        python3 -c "import json; r = json.load(open('$out/kv-$bits-$kernels.json'))
+print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t['tokens_per_second'], 1)) for t in r['tests']])"
+    done
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    if [ -f "$work/llama-build.done" ]; then
+        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+        for bits in f16 q8_0 q4_0; do
+            log "llama-bench -d 0,8192 -ctk $bits -ctv $bits"
+            timeout 120 "$work/llama-build/bin/llama-bench" -m "$deep" -p 512 -n 128 -r 2 -ngl 99 -fa on \
+                -d 0,8192 -ctk $bits -ctv $bits -o json > "$out/llama-bench-kv-$bits.json"
+            python3 -c "import json; print([(r['n_prompt'], r['n_gen'], r['n_depth'], round(r['avg_ts'], 1))
+    for r in json.load(open('$out/llama-bench-kv-$bits.json'))])"
+        done
+    fi
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
@@ -201,5 +237,6 @@ case ${1:-} in
     serve) serve_bench "${2:-1,8,16,32}" ;;
     structured) structured ;;
     speculative) speculative ;;
+    kv) kv_depth ;;
     *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

@@ -61,6 +61,8 @@ class BatchSettings:
     compare_template: bool = False
     constraint: Constraint | None = None
     prompt_cache: SavedPrefix | None = None  # lines' prompts must start with it; only what follows is prefilled
+    max_kv_size: int = 0  # with it, each row's cache keeps its first `keep` and last positions
+    keep: int = 4
 
 
 @dataclass
@@ -120,7 +122,7 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     job = Job(job_id, [], [])
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
-        check_fits(len(prompt.ids), runtime.config.context_length)
+        check_fits(len(prompt.ids), len(prompt.ids) if settings.max_kv_size else runtime.config.context_length)
         if settings.prompt_cache is not None:
             settings.prompt_cache.check_starts(prompt.ids)
         job.prompts.append(prompt)
@@ -300,7 +302,7 @@ Progress = Callable[[int], ContextManager[Callable[[], None]]]
 
 
 def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress,
-             prompt_cache: SavedPrefix | None = None) -> None:
+             prompt_cache: SavedPrefix | None = None, max_kv_size: int = 0, keep: int = 0) -> None:
     """Run the jobs with batched decoding, writing each record in order; Ctrl-C stops after the current step."""
     requests, owners = [], []
     for position, job in enumerate(jobs):
@@ -312,7 +314,7 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
     start = time.perf_counter()
     with progress(len(jobs)) as written, Interruptible() as interrupt:
         store = prompt_cache.store() if prompt_cache is not None else None
-        for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size, store):
+        for finished in generate_batch(runtime.model, runtime.tokenizer, requests, batch_size, store, max_kv_size, keep):
             for index, result in finished:
                 position, run = owners[index]
                 results[position][run] = result
@@ -342,5 +344,5 @@ def run_batch(runtime, lines: Iterable[str], source: str, out: TextIO, done: set
     except UnicodeDecodeError as e:
         raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
-    run_jobs(runtime, jobs, out, batch_size, stats, progress, settings.prompt_cache)
+    run_jobs(runtime, jobs, out, batch_size, stats, progress, settings.prompt_cache, settings.max_kv_size, settings.keep)
     return stats

@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from .cache import check_kv_size
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
@@ -74,7 +75,7 @@ def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> list[To
 class Row:
     """A sequence being generated: its sampler, ids so far, text and timings."""
 
-    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int):
+    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None):
         self.index, self.request = index, request
         self.sampler = make_sampler(request.params)
         self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
@@ -88,8 +89,9 @@ class Row:
         self.cached_tokens = self.prefilled_tokens = 0
         self._logprobs_taken = self._ids_taken = 0
         self._result: GenerationResult | None = None
-        # Like generate_tokens: never run past the model's context.
-        self.max_tokens = min(request.max_tokens, context_length - len(request.ids))
+        # Like generate_tokens: never run past the model's context, unless the cache rotates (None).
+        self.max_tokens = request.max_tokens if context_length is None else min(request.max_tokens,
+                                                                                   context_length - len(request.ids))
         self.finished = self.max_tokens <= 0
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
@@ -155,13 +157,17 @@ class BatchDecoder:
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
         # Where prompts start from keys and values computed before, and where finished rows leave theirs.
         self.prompt_cache = prompt_cache
-        self.cache = model.make_batch_cache()
+        # With a max_kv_size every row keeps its first `keep` and its last positions (cache.RingKVCache),
+        # and may run past the context: no context to stop at (None).
+        self.max_kv_size, self.keep = max_kv_size, keep
+        self.context = None if max_kv_size else model.config.context_length
+        self.cache = model.make_batch_cache(max_kv_size, keep)
         self.rows: list[Row] = []
         self.joining: deque[Joining] = deque()
 
@@ -171,21 +177,22 @@ class BatchDecoder:
 
     def admit(self, index, request: Request) -> Row:
         """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
-        check_fits(len(request.ids), self.model.config.context_length)
-        row = Row(index, request, self.tokenizer, self.model.config.context_length)
+        check_fits(len(request.ids), self.context or len(request.ids))
+        row = Row(index, request, self.tokenizer, self.context)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
         if row.finished:
             return row
         # A joining row's cache keeps every position in its slot, as the batch's rows do (a sliding
-        # layer's too: the batch masks what lies outside its window).
+        # layer's too: the batch masks what lies outside its window); a ring takes any kind.
+        bounds = dict(bounded=bool(self.max_kv_size), max_kv_size=self.max_kv_size, keep=self.keep)
         entry, cached = self.prompt_cache.lookup(request.ids) if self.prompt_cache else (None, 0)
         if entry is not None:
-            self.joining.append(Joining(row, self.prompt_cache.restore(entry, cached, self.model), cached))
+            self.joining.append(Joining(row, self.prompt_cache.restore(entry, cached, self.model, **bounds), cached))
             row.cached_tokens = cached
         else:
-            self.joining.append(Joining(row, self.model.make_cache(bounded=False)))
+            self.joining.append(Joining(row, self.model.make_cache(**bounds)))
         return row
 
     def prefill_chunk(self) -> Row | None:
@@ -201,7 +208,7 @@ class BatchDecoder:
             mx.eval([c.state for c in joining.cache])
             return None
         self.joining.popleft()
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and all(c.start == 0 for c in joining.cache):  # none dropped: in order
             self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
         row, last = joining.row, self.model.head(hidden[:, -1:])[0, -1]
         if row.accept(row.sampler(last, row.context, allowed=row.allowed(last.shape[-1])).item(), last):
@@ -227,9 +234,9 @@ class BatchDecoder:
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished and self.prompt_cache is not None:
             for i, row in enumerate(self.rows):
-                if done[i]:  # the cache holds the prompt and every generated token but the last
-                    held = list(row.request.ids) + row.ids[:-1]
-                    self.prompt_cache.store(held, [(c.keys[i : i + 1], c.values[i : i + 1]) for c in self.cache])
+                held = list(row.request.ids) + row.ids[:-1]  # the prompt and every generated token but the last
+                if done[i] and all(c.in_order(len(held)) for c in self.cache):
+                    self.prompt_cache.store(held, [c.row(i) for c in self.cache])
         if finished:
             self.drop(finished)
         return finished
@@ -243,20 +250,21 @@ class BatchDecoder:
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             for layer in self.cache:
-                layer.keep(keep)
+                layer.keep_rows(keep)
 
 
 def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request], batch_size: int = 8,
-                   prompt_cache: PromptCache | None = None) -> Iterator[list[tuple[int, GenerationResult]]]:
+                   prompt_cache: PromptCache | None = None, max_kv_size: int = 0,
+                   keep: int = 0) -> Iterator[list[tuple[int, GenerationResult]]]:
     """Generate every request, up to batch_size rows per decode step, admitting requests in order
     (a prompt that starts as one in `prompt_cache` prefills only the rest).
 
     After each step, yields the requests that finished in it as (index in requests, result),
     often none, so a caller can write results as they come and stop cleanly between steps.
     """
-    decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache)
+    decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache, max_kv_size=max_kv_size, keep=keep)
     for request in requests:
-        check_fits(len(request.ids), model.config.context_length)
+        check_fits(len(request.ids), decoder.context or len(request.ids))
     waiting = deque(enumerate(requests))
     while decoder.rows or waiting:
         finished = []
@@ -273,14 +281,16 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
 
 def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], max_tokens: int = 256,
                    params: SamplingParams = SamplingParams(), stop: Sequence[str] = (), batch_size: int = 8,
-                   special: bool = False, constraint: Constraint | None = None, **sampling) -> list[GenerationResult]:
+                   special: bool = False, constraint: Constraint | None = None, max_kv_size: int = 0, keep: int = 4,
+                   **sampling) -> list[GenerationResult]:
     """Generate for many prompts with batched decoding; the results come in prompt order.
 
     runtime is what `mlxllama.load` returns. A prompt is a string (tokenized with BOS and no
     template; `special` parses control tokens in it), a list of token ids, or a Request with
     settings of its own (the other settings apply to the others). Sampling keywords (the fields of
     SamplingParams) override `params`. With temperature 0 and no repeat penalty each result's ids
-    equal `runtime.generate`'s for that prompt.
+    equal `runtime.generate`'s for that prompt. A `max_kv_size` bounds every row's cache to its
+    first `keep` and last positions, as it bounds `runtime.generate`'s.
     """
     params = params.with_overrides(**sampling)
 
@@ -291,7 +301,9 @@ def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], ma
         return Request(ids, max_tokens, params, tuple(stop), constraint=constraint)
 
     results: list[GenerationResult | None] = [None] * len(prompts)
-    for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size):
+    check_kv_size(max_kv_size, keep)
+    for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size,
+                                   max_kv_size=max_kv_size, keep=keep):
         for index, result in finished:
             results[index] = result
     return results

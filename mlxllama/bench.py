@@ -3,8 +3,10 @@
 pp<P> feeds P random token ids into an empty cache (chunked prefill, as generation does) and
 reports prompt tokens/s; tg<N> starts from one token and decodes N more with greedy sampling,
 the host reading each token one step behind the device (as the generation loop does), and
-reports generated tokens/s summed over the batch. Each test runs once untimed (the first use of
-a kernel compiles it), then `repetitions` times; the table gives the median and the spread.
+reports generated tokens/s summed over the batch. With a depth D (llama-bench's -d), both start
+from a cache already holding D random ids a sequence, filled untimed: "pp512 @ d8192". Each test
+runs once untimed (the first use of a kernel compiles it), then `repetitions` times; the table
+gives the median and the spread.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .cache import KVQuantization, kv_bytes_per_position, kv_label
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
-from .generate import generate_tokens, prefill
+from .generate import PREFILL_CHUNK, generate_tokens
 from .gguf_file import open_gguf
 from .runtime import Runtime, load
 from .sampling import SamplingParams, make_sampler
@@ -33,6 +36,7 @@ class TestResult:
     n_prompt: int
     n_gen: int
     samples: list[float]  # tokens/s of each repetition
+    depth: int = 0  # positions a sequence's cache held before the timed part
 
     @property
     def median(self) -> float:
@@ -55,6 +59,8 @@ class BenchReport:
     weight_bytes: int  # MLX memory held once the model is loaded
     load_peak_bytes: int  # peak MLX memory while loading
     run_peak_bytes: int  # peak MLX memory over the tests (weights, cache, activations)
+    kv_cache: str = "unquantized"  # or the --kv-* settings
+    kv_bytes_per_position: int = 0  # a sequence's keys and values of every layer for one position
     tests: list[TestResult] = field(default_factory=list)
     speculation: list[dict] = field(default_factory=list)  # drafted and accepted, a speculative run each
 
@@ -82,21 +88,32 @@ def random_ids(runtime: Runtime, batch: int, length: int, seed: int) -> list[lis
     return rng.integers(0, runtime.config.vocab_size, size=(batch, length)).tolist()
 
 
-def time_prompt(runtime: Runtime, n_prompt: int, seed: int) -> float:
-    """Seconds to prefill n_prompt ids into a fresh cache."""
-    ids = random_ids(runtime, 1, n_prompt, seed)[0]
+def feed(runtime: Runtime, cache: list, ids: list[list[int]]) -> mx.array:
+    """Feed rows of ids into the cache in chunks, as prefill does; the last position's logits [batch, vocab], evaluated."""
+    for start in range(0, len(ids[0]), PREFILL_CHUNK):
+        hidden = runtime.model.hidden_states(mx.array([row[start : start + PREFILL_CHUNK] for row in ids]), cache)
+        mx.eval(hidden, [c.state for c in cache])
+    logits = runtime.model.head(hidden[:, -1])
+    mx.eval(logits)
+    return logits
+
+
+def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> float:
+    """Seconds to prefill n_prompt ids into a cache holding `depth` others."""
+    ids = random_ids(runtime, 1, depth + n_prompt, seed)[0]
     cache = runtime.new_cache()
+    if depth:
+        feed(runtime, cache, [ids[:depth]])
     start = time.perf_counter()
-    mx.eval(prefill(runtime.model, ids, cache))
+    feed(runtime, cache, [ids[depth:]])
     return time.perf_counter() - start
 
 
-def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int) -> float:
-    """Seconds for n_gen greedy decode steps of `batch` sequences after a one-token start."""
+def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0) -> float:
+    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each."""
     model = runtime.model
     cache = runtime.model.make_cache()
-    token = mx.argmax(model(mx.array(random_ids(runtime, batch, 1, seed)), cache)[:, -1:], axis=-1)
-    mx.eval(token)
+    token = mx.argmax(feed(runtime, cache, random_ids(runtime, batch, depth + 1, seed)), axis=-1)[:, None]
     # Through the CUDA kernels (mlxllama.cuda) where they take this many sequences, as generate and
     # batch decode then; else one sequence through the compiled step and several uncompiled, as
     # batch decodes them without kernels: on an H100 the compiled step was 15% slower at 16
@@ -136,8 +153,10 @@ def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | 
 def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
         dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None,
         constraint: Constraint | None = None, draft=None, draft_tokens: int = 4,
-        draft_prompt: str | None = None) -> BenchReport:
-    """Load the model and run pp<n_prompt> (one sequence) and tg<n_gen> at each batch size; 0 skips a test.
+        draft_prompt: str | None = None, depths: tuple[int, ...] = (0,),
+        kv_quantization: KVQuantization | None = None) -> BenchReport:
+    """Load the model (its caches stored as `kv_quantization` says) and run pp<n_prompt> (one
+    sequence) and tg<n_gen> at each batch size, at each depth; 0 skips a test.
 
     With a constraint, two more tests of one sequence through the generation loop, side by side:
     `tg<n_gen> loop` without it and `tg<n_gen> constrained` with it (the price of the masks). With
@@ -147,30 +166,37 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     # Memory is counted from here, so arrays that the calling process already holds are left out.
     held_before = mx.get_active_memory()
     mx.reset_peak_memory()
-    runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length)
+    runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length,
+                   kv_quantization=kv_quantization)
     report = BenchReport(
         model=os.path.basename(path), device=device_name(),
         mode="dequantize" if dequantize else ("native+kernels" if runtime.model.decode_step.uses_kernels else "native"),
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
         load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,
+        kv_cache=kv_label(runtime.model.kv_quantization),
+        kv_bytes_per_position=kv_bytes_per_position(runtime.config, runtime.model.compute_dtype,
+                                                    runtime.model.kv_quantization),
     )
     mx.reset_peak_memory()
     if constraint is not None:
         constraint.check(runtime.tokenizer)
     context = runtime.config.context_length
-    if n_prompt > context or n_gen + 1 > context:
-        raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} do not fit the model's context of {context} tokens")
+    if max(depths) + max(n_prompt, n_gen + 1) > context:
+        raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} at depth {max(depths)} do not fit the model's context of"
+                            f" {context} tokens")
     tests = []
-    if n_prompt:
-        tests.append((f"pp{n_prompt}", 1, n_prompt, 0, lambda seed: n_prompt / time_prompt(runtime, n_prompt, seed)))
-    if n_gen:
-        for b in batches:
-            tests.append((f"tg{n_gen}", b, 0, n_gen,
-                          lambda seed, b=b: b * n_gen / time_generation(runtime, b, n_gen, seed)))
+    for d in depths:
+        at = f" @ d{d}" if d else ""
+        if n_prompt:
+            tests.append((f"pp{n_prompt}{at}", 1, n_prompt, 0, d,
+                          lambda seed, d=d: n_prompt / time_prompt(runtime, n_prompt, seed, d)))
+        for b in batches if n_gen else ():
+            tests.append((f"tg{n_gen}{at}", b, 0, n_gen, d,
+                          lambda seed, b=b, d=d: b * n_gen / time_generation(runtime, b, n_gen, seed, d)))
     if n_gen and constraint is not None:
         for name, used in ((f"tg{n_gen} loop", None), (f"tg{n_gen} constrained", constraint)):
-            tests.append((name, 1, 0, n_gen, lambda seed, used=used: rate(time_loop(runtime, n_gen, seed, used))))
+            tests.append((name, 1, 0, n_gen, 0, lambda seed, used=used: rate(time_loop(runtime, n_gen, seed, used))))
     if n_gen and draft is not None:
         drafter = draft if isinstance(draft, int) else load(draft, dtype=dtype, dequantize=dequantize,
                                                             context_length=context_length)
@@ -183,11 +209,12 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
             report.speculation.append({"drafted": speculation.drafted, "accepted": speculation.accepted})
             return speed
 
-        tests.append((f"tg{n_gen} loop", 1, 0, n_gen, lambda seed: rate(time_loop(runtime, n_gen, seed, prompt=prompt))))
-        tests.append((f"tg{n_gen} speculative", 1, 0, n_gen, speculative))
-    for name, batch, pp, tg, measure in tests:
+        tests.append((f"tg{n_gen} loop", 1, 0, n_gen, 0,
+                      lambda seed: rate(time_loop(runtime, n_gen, seed, prompt=prompt))))
+        tests.append((f"tg{n_gen} speculative", 1, 0, n_gen, 0, speculative))
+    for name, batch, pp, tg, depth, measure in tests:
         measure(repetitions)  # warm-up, on ids no timed run uses
-        report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)]))
+        report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)], depth))
     report.run_peak_bytes = mx.get_peak_memory() - held_before
     return report
 
@@ -219,6 +246,7 @@ def format_table(report: BenchReport) -> str:
         f"load: {report.load_seconds:.2f} s; weights held: {report.weight_bytes / mib:.1f} MiB = "
         f"{report.weight_bytes / report.tensor_bytes:.3f} x the file's {report.tensor_bytes / mib:.1f} MiB of tensors "
         f"(peak while loading {report.load_peak_bytes / report.tensor_bytes:.3f} x); "
-        f"peak during the tests: {report.run_peak_bytes / mib:.1f} MiB",
+        f"peak during the tests: {report.run_peak_bytes / mib:.1f} MiB; KV cache ({report.kv_cache}): "
+        f"{report.kv_bytes_per_position / 1024:.1f} KiB a position of a sequence",
     ]
     return "\n".join(rows)

@@ -2,15 +2,106 @@
 
 KVCache grows in fixed steps, so a decode step never copies the whole cache; SlidingKVCache keeps
 only what a sliding-window layer can still attend to, so its memory stays bounded however long
-the sequence; BatchKVCache holds rows of different lengths for batched decoding; SlotCache is a
-KVCache's buffers inside the compiled decode step.
+the sequence; RotatingKVCache bounds a full-attention layer's the same way; BatchKVCache holds rows
+of different lengths for batched decoding; SlotCache is a KVCache's buffers inside the compiled
+decode step. Every kind but SlotCache can store its keys and values quantized (KVQuantization).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Callable, Union
+
 import mlx.core as mx
+import numpy as np
 
 GROWTH_STEP = 256
+
+# Keys or values [batch, kv_heads, slots, head_dim]: one array, or with a KVQuantization the three
+# of mx.quantize (packed integers, scales, biases), each with the slots on axis 2.
+Buffer = Union[mx.array, tuple]
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """Keys and values stored with MLX's affine quantization (`bits` a value, a scale and a bias
+    every `group_size` values of a head) and attended with its quantized products, as mlx-lm's
+    --kv-bits stores them. A cache holds its first `start` positions at full precision, and
+    quantizes them with the rest once it holds more (mlx-lm's --quantized-kv-start)."""
+
+    bits: int
+    group_size: int | None = None  # None: 64 (mlx-lm's), or 32 for heads of 64 values or fewer
+    start: int = 0
+
+    BITS = (4, 8)
+    GROUP_SIZES = (32, 64, 128)
+
+    def for_heads(self, head_dim: int) -> KVQuantization:
+        """These settings with the group size chosen for heads of head_dim values; a one-line error
+        for settings MLX cannot quantize them with."""
+        from .errors import MlxLlamaError
+
+        if self.bits not in self.BITS:
+            raise MlxLlamaError(f"--kv-bits must be 4 or 8, not {self.bits}")
+        if self.start < 0:
+            raise MlxLlamaError(f"--quantized-kv-start must be 0 or more, not {self.start}")
+        # Two groups a head at least where the head allows: MLX's CUDA quantized product has no kernel
+        # for heads of one group (models.transformer.explicit_attention dequantizes those).
+        group_size = self.group_size or (64 if head_dim >= 128 and head_dim % 64 == 0 else 32)
+        if group_size not in self.GROUP_SIZES:
+            raise MlxLlamaError(f"--kv-group-size must be 32, 64 or 128, not {group_size}")
+        if head_dim % group_size:
+            raise MlxLlamaError(f"--kv-group-size {group_size} does not divide the model's head size {head_dim}")
+        return replace(self, group_size=group_size)
+
+    def encode(self, x: mx.array) -> tuple:
+        return tuple(mx.quantize(x, self.group_size, self.bits))
+
+    def bytes_per_value(self, dtype: mx.Dtype) -> float:
+        """Storage of one key or value element: its bits, and its group's scale and bias in `dtype`."""
+        return self.bits / 8 + 2 * dtype.size / self.group_size
+
+
+def kv_label(quantization: KVQuantization | None) -> str:
+    """The settings that say how a cache stores keys and values, as the options give them."""
+    if quantization is None:
+        return "unquantized"
+    return f"--kv-bits {quantization.bits} --kv-group-size {quantization.group_size} --quantized-kv-start {quantization.start}"
+
+
+def kv_map(fn: Callable[..., mx.array], *buffers: Buffer) -> Buffer:
+    """fn applied to each array of the buffers (one each, or a quantized buffer's three in turn)."""
+    if isinstance(buffers[0], tuple):
+        return tuple(fn(*arrays) for arrays in zip(*buffers))
+    return fn(*buffers)
+
+
+def kv_arrays(buffer: Buffer) -> tuple:
+    return buffer if isinstance(buffer, tuple) else (buffer,)
+
+
+def kv_nbytes(buffer: Buffer) -> int:
+    return sum(a.nbytes for a in kv_arrays(buffer))
+
+
+def capacity(buffer: Buffer) -> int:
+    return kv_arrays(buffer)[0].shape[2]
+
+
+def slot_range(buffer: Buffer, begin: int, end: int) -> Buffer:
+    """Slots begin .. end - 1 of a buffer (a view)."""
+    return kv_map(lambda a: a[..., begin:end, :], buffer)
+
+
+def allocate(like: Buffer, slots: int) -> Buffer:
+    """Zeros of `slots` slots, laid out as `like`."""
+    return kv_map(lambda a: mx.zeros(a.shape[:2] + (slots,) + a.shape[3:], a.dtype), like)
+
+
+def write(buffer: Buffer, slot: int, new: Buffer) -> None:
+    """Put `new` into the buffer from `slot` on, in place."""
+    for a, b in zip(kv_arrays(buffer), kv_arrays(new)):
+        a[..., slot : slot + b.shape[2], :] = b
 
 
 def causal_mask(length: int, offset: int = 0, window: int = 0) -> str | mx.array | None:
@@ -37,47 +128,68 @@ def keeps_window(start: int, window: int, length: int) -> bool:
     return start == 0 or (window > 0 and start <= length - (window - 1))
 
 
-def kv_bytes_per_position(config, dtype: mx.Dtype) -> int:
+def kv_bytes_per_position(config, dtype: mx.Dtype, quantization: KVQuantization | None = None) -> int:
     """Keys and values of every layer for one position of one sequence."""
-    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * dtype.size
+    per_value = quantization.bytes_per_value(dtype) if quantization else dtype.size
+    return int(config.n_layers * 2 * config.n_kv_heads * config.head_dim * per_value)
+
+
+def quantizes(cache) -> bool:
+    """Whether a cache stores (or will store) its keys and values quantized."""
+    return any(layer.quantization is not None for layer in cache)
 
 
 class KVCache:
     window = 0  # it keeps every position (SlidingKVCache keeps a window)
 
-    def __init__(self):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, quantization: KVQuantization | None = None):
+        self.keys: Buffer | None = None
+        self.values: Buffer | None = None
         # Number of positions filled; also the RoPE position of the next token.
         self.offset = 0
+        self.quantization = quantization
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the buffers hold quantized keys and values now (KVQuantization.start passed)."""
+        return isinstance(self.keys, tuple)
+
+    def _stored(self, keys: mx.array, values: mx.array, held: int) -> tuple[Buffer, Buffer]:
+        """New keys and values as the buffers will store them once they hold `held` positions:
+        quantized past the quantization's start, when the buffers held so far are quantized too."""
+        q = self.quantization
+        if q is None or (not self.quantized and held <= q.start):
+            return keys, values
+        if not self.quantized and self.keys is not None:
+            self.keys, self.values = q.encode(self.keys), q.encode(self.values)
+        return q.encode(keys), q.encode(values)
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         return causal_mask(length, self.offset, window)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
-        if self.keys is None or self.offset + new > self.keys.shape[2]:
+        keys, values = self._stored(keys, values, self.offset + new)
+        if self.keys is None or self.offset + new > capacity(self.keys):
             self._grow(keys, values, new)
-        self.keys[..., self.offset : self.offset + new, :] = keys
-        self.values[..., self.offset : self.offset + new, :] = values
+        write(self.keys, self.offset, keys)
+        write(self.values, self.offset, values)
         self.offset += new
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return slot_range(self.keys, 0, self.offset), slot_range(self.values, 0, self.offset)
 
-    def _grow(self, keys: mx.array, values: mx.array, new: int) -> None:
-        batch, heads, _, head_dim = keys.shape
-        capacity = (self.offset + new + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
-        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
-        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+    def _grow(self, keys: Buffer, values: Buffer, new: int) -> None:
+        size = (self.offset + new + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
+        grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
-            grown_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
-            grown_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+            write(grown_k, 0, slot_range(self.keys, 0, self.offset))
+            write(grown_v, 0, slot_range(self.values, 0, self.offset))
         self.keys, self.values = grown_k, grown_v
 
     def make_room(self, new: int) -> None:
         """Make the buffers (already allocated) hold `new` more positions, for a step that writes
         them in place (model.Transformer.step) and then calls advance."""
-        if self.offset + new > self.keys.shape[2]:
+        if self.offset + new > capacity(self.keys):
             self._grow(self.keys, self.values, new)
 
     def advance(self, new: int) -> None:
@@ -96,14 +208,18 @@ class KVCache:
         """How many buffer slots hold positions up to `length`, for a cache whose `start` was `start`."""
         return length
 
-    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
         """Hold positions up to `length`, given as buffers laid out as this kind of cache lays
         them out when its `start` is `start` (the state a prompt cache keeps and gives back)."""
         self.keys, self.values, self.offset = keys, values, length
 
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        """The positions the buffers hold and the slot each is in, in order of position."""
+        return np.arange(self.offset), np.arange(self.offset)
+
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
+        return [a for buffer in (self.keys, self.values) if buffer is not None for a in kv_arrays(buffer)]
 
 
 class SlidingKVCache(KVCache):
@@ -116,8 +232,8 @@ class SlidingKVCache(KVCache):
     of one call + GROWTH_STEP positions.
     """
 
-    def __init__(self, window: int):
-        super().__init__()
+    def __init__(self, window: int, quantization: KVQuantization | None = None):
+        super().__init__(quantization)
         self.window = window
         self._start = 0
 
@@ -131,7 +247,7 @@ class SlidingKVCache(KVCache):
 
     def _start_after(self, new: int) -> int:
         """The position in the first slot once `new` more positions are appended."""
-        if self.keys is None or self.offset - self._start + new <= self.keys.shape[2]:
+        if self.keys is None or self.offset - self._start + new <= capacity(self.keys):
             return self._start
         return max(self._start, self.offset - (self.window - 1))
 
@@ -142,29 +258,28 @@ class SlidingKVCache(KVCache):
         query_pos = self.offset + mx.arange(length)[:, None]
         return visible(query_pos, start + mx.arange(self.offset + length - start)[None, :], self.window)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
+        keys, values = self._stored(keys, values, self.offset + new)
         start = self._start_after(new)
         if self.keys is None or start != self._start:
             self._rebuild(start, keys, values, new)
         slot = self.offset - self._start
-        self.keys[..., slot : slot + new, :] = keys
-        self.values[..., slot : slot + new, :] = values
+        write(self.keys, slot, keys)
+        write(self.values, slot, values)
         self.offset += new
         end = self.offset - self._start
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
 
-    def _rebuild(self, start: int, keys: mx.array, values: mx.array, new: int) -> None:
+    def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions start .. offset - 1 of the old one and room for `new` + GROWTH_STEP more."""
-        batch, heads, _, head_dim = keys.shape
         kept = self.offset - start
-        capacity = kept + new + GROWTH_STEP
-        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
-        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        size = kept + new + GROWTH_STEP
+        grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and kept:
             first = start - self._start
-            grown_k[..., :kept, :] = self.keys[..., first : first + kept, :]
-            grown_v[..., :kept, :] = self.values[..., first : first + kept, :]
+            write(grown_k, 0, slot_range(self.keys, first, first + kept))
+            write(grown_v, 0, slot_range(self.values, first, first + kept))
         self.keys, self.values, self._start = grown_k, grown_v, start
 
     def trim(self, n: int) -> None:
@@ -174,7 +289,10 @@ class SlidingKVCache(KVCache):
     def slots(self, start: int, length: int) -> int:
         return length - start
 
-    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(self._start, self.offset), np.arange(self.offset - self._start)
+
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
         """Hold positions start .. length - 1, given as buffers whose slot 0 is `start`."""
         self.keys, self.values, self._start, self.offset = keys, values, start, length
 
@@ -192,8 +310,8 @@ class RotatingKVCache(KVCache):
     one call + GROWTH_STEP positions.
     """
 
-    def __init__(self, max_size: int, keep: int):
-        super().__init__()
+    def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None):
+        super().__init__(quantization)
         self.max_size, self.keep = max_size, keep
         self.window = max_size - keep
         self._start = keep
@@ -209,7 +327,12 @@ class RotatingKVCache(KVCache):
     def slots(self, start: int, length: int) -> int:
         return length if start == 0 else self.keep + length - start
 
-    def restore(self, keys: mx.array, values: mx.array, start: int, length: int) -> None:
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        head = np.arange(min(self.keep, self.offset))
+        rest = np.arange(max(self._start, self.keep), self.offset)
+        return np.concatenate([head, rest]), np.concatenate([head, self.keep + rest - self._start])
+
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
         self.keys, self.values, self.offset = keys, values, length
         self._start = start or self.keep
 
@@ -218,7 +341,7 @@ class RotatingKVCache(KVCache):
 
     def _start_after(self, new: int) -> int:
         """The position in slot `keep` once `new` more positions are appended."""
-        if self.keys is None or self._slots_after(new, self._start) <= self.keys.shape[2]:
+        if self.keys is None or self._slots_after(new, self._start) <= capacity(self.keys):
             return self._start
         return max(self._start, self.offset - (self.window - 1))
 
@@ -231,42 +354,52 @@ class RotatingKVCache(KVCache):
         query_pos = self.offset + mx.arange(length)[:, None]
         return visible(query_pos, key_pos[None, :], self.window) | ((key_pos < self.keep) & (key_pos <= query_pos))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
+        keys, values = self._stored(keys, values, self.offset + new)
         start = self._start_after(new)
-        if self.keys is None or start != self._start or self._slots_after(new, start) > self.keys.shape[2]:
+        if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.keys):
             self._rebuild(start, keys, values, new)
         slot = self.keep + self.offset - self._start
-        self.keys[..., slot : slot + new, :] = keys
-        self.values[..., slot : slot + new, :] = values
+        write(self.keys, slot, keys)
+        write(self.values, slot, values)
         self.offset += new
         end = self.keep + self.offset - self._start
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
 
-    def _rebuild(self, start: int, keys: mx.array, values: mx.array, new: int) -> None:
+    def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions 0 .. keep - 1 and start .. offset - 1 of the old one, and room
         for `new` + GROWTH_STEP more."""
-        batch, heads, _, head_dim = keys.shape
-        capacity = self._slots_after(new, start) + GROWTH_STEP
-        grown_k = mx.zeros((batch, heads, capacity, head_dim), keys.dtype)
-        grown_v = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        size = self._slots_after(new, start) + GROWTH_STEP
+        grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
             head = min(self.keep, self.offset)
-            grown_k[..., :head, :] = self.keys[..., :head, :]
-            grown_v[..., :head, :] = self.values[..., :head, :]
+            write(grown_k, 0, slot_range(self.keys, 0, head))
+            write(grown_v, 0, slot_range(self.values, 0, head))
             if self.offset > start:
                 first, kept = self.keep + start - self._start, self.offset - start
-                grown_k[..., self.keep : self.keep + kept, :] = self.keys[..., first : first + kept, :]
-                grown_v[..., self.keep : self.keep + kept, :] = self.values[..., first : first + kept, :]
+                write(grown_k, self.keep, slot_range(self.keys, first, first + kept))
+                write(grown_v, self.keep, slot_range(self.values, first, first + kept))
         self.keys, self.values, self._start = grown_k, grown_v, start
 
     def trim(self, n: int) -> None:
         self.offset = max(self.start, self.offset - n)
 
 
+def check_kv_size(max_kv_size: int, keep: int) -> None:
+    """A rotating cache's bounds: keep >= 0 first positions, and room for more than them."""
+    from .errors import MlxLlamaError
+
+    if max_kv_size < 0:
+        raise MlxLlamaError("--max-kv-size must be 0 (off) or positive")
+    if max_kv_size and not 0 <= keep < max_kv_size - 1:
+        raise MlxLlamaError(f"--max-kv-size {max_kv_size} must exceed --keep {keep} by at least 2")
+
+
 def rotates(cache) -> bool:
-    """Whether a cache drops old positions (RotatingKVCache), so its positions may pass the context."""
-    return any(isinstance(layer, RotatingKVCache) for layer in cache)
+    """Whether a cache drops old positions (RotatingKVCache, RingKVCache), so its positions may pass
+    the context and are not in the slots of their number."""
+    return any(isinstance(layer, (RotatingKVCache, RingKVCache)) for layer in cache)
 
 
 class SlotCache:
@@ -294,14 +427,15 @@ class SlotCache:
         return self.keys, self.values
 
 
-def make_cache(windows: list[int], bounded: bool = True, max_size: int = 0, keep: int = 0) -> list[KVCache]:
+def make_cache(windows: list[int], bounded: bool = True, max_size: int = 0, keep: int = 0,
+               quantization: KVQuantization | None = None) -> list[KVCache]:
     """One cache a layer: a SlidingKVCache for a layer with a window (unless `bounded` is False:
     batching needs every position in its slot), else a KVCache, or with a `max_size` a
-    RotatingKVCache keeping `keep` first positions."""
+    RotatingKVCache keeping `keep` first positions; each storing as `quantization` says."""
     def full() -> KVCache:
-        return RotatingKVCache(max_size, keep) if max_size else KVCache()
+        return RotatingKVCache(max_size, keep, quantization) if max_size else KVCache(quantization)
 
-    return [SlidingKVCache(w) if w and bounded else full() for w in windows]
+    return [SlidingKVCache(w, quantization) if w and bounded else full() for w in windows]
 
 
 class BatchKVCache:
@@ -309,13 +443,15 @@ class BatchKVCache:
 
     Row i keeps position p in slot p, just where a single sequence's KVCache keeps it, so each row
     attends over the same values in the same order as it would alone; the slots past a row's
-    length (zeros, or stale values of a row that left) are hidden by `mask`.
+    length (zeros, or stale values of a row that left) are hidden by `mask`. With a quantization,
+    the rows are stored quantized once the longest passes its start, or once a quantized row joins.
     """
 
-    def __init__(self):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, quantization: KVQuantization | None = None):
+        self.keys: Buffer | None = None
+        self.values: Buffer | None = None
         self.lengths: list[int] = []
+        self.quantization = quantization
         # mx.array(lengths), built once per change: RoPE, the mask and the update all read it every step.
         self._offset: mx.array | None = None
 
@@ -326,6 +462,14 @@ class BatchKVCache:
             self._offset = mx.array(self.lengths)
         return self._offset
 
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.keys, tuple)
+
+    def _quantize(self) -> None:
+        if not self.quantized:
+            self.keys, self.values = self.quantization.encode(self.keys), self.quantization.encode(self.values)
+
     def mask(self, length: int, window: int = 0) -> mx.array:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
         themselves (within the window, if any)."""
@@ -333,38 +477,45 @@ class BatchKVCache:
         key_pos = mx.arange(max(self.lengths) + length)
         return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
+        if self.quantization is not None and (self.quantized or end > self.quantization.start):
+            self._quantize()
+            keys, values = self.quantization.encode(keys), self.quantization.encode(values)
         self.make_room(new)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
-        self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, slots, values, axis=2)
+        self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
+        self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
         self.lengths, self._offset = [n + new for n in self.lengths], None
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
 
     def add(self, cache: KVCache) -> None:
         """Append a single sequence's cache as a new last row."""
         length = cache.offset
-        keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
+        keys, values = slot_range(cache.keys, 0, length), slot_range(cache.values, 0, length)
         if self.keys is None:
-            self.keys = mx.zeros((0, keys.shape[1], 0, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((0, values.shape[1], 0, values.shape[3]), values.dtype)
+            self.keys = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), keys)
+            self.values = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), values)
+        if self.quantized != cache.quantized:  # one has passed the quantization's start: both are stored quantized
+            self._quantize()
+            if not cache.quantized:
+                keys, values = self.quantization.encode(keys), self.quantization.encode(values)
         self._reserve(length)
-        room = self.keys.shape[2] - length
-        pad = [(0, 0), (0, 0), (0, room), (0, 0)]
-        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
-        self.values = mx.concatenate([self.values, mx.pad(values, pad)])
+        pad = [(0, 0), (0, 0), (0, capacity(self.keys) - length), (0, 0)]
+        self.keys = kv_map(lambda a, b: mx.concatenate([a, mx.pad(b, pad)]), self.keys, keys)
+        self.values = kv_map(lambda a, b: mx.concatenate([a, mx.pad(b, pad)]), self.values, values)
         self.lengths, self._offset = self.lengths + [length], None
 
-    def keep(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed, so finished sequences cost no more compute."""
         if not rows:  # an unevaluated empty slice would keep the whole buffer alive until the next row
-            self.__init__()
+            self.keys = self.values = self._offset = None
+            self.lengths = []
             return
         index = mx.array(rows, mx.int32)
-        self.keys, self.values = self.keys[index], self.values[index]
+        self.keys, self.values = kv_map(lambda a: a[index], self.keys), kv_map(lambda a: a[index], self.values)
         self.lengths, self._offset = [self.lengths[r] for r in rows], None
 
     def make_room(self, new: int) -> None:
@@ -375,14 +526,99 @@ class BatchKVCache:
         """Every row took `new` more positions, written in place (model.Transformer.step)."""
         self.lengths, self._offset = [n + new for n in self.lengths], None
 
+    def in_order(self, length: int) -> bool:
+        """Whether a row of `length` positions holds position p in slot p (what the prompt store keeps)."""
+        return True
+
+    def row(self, i: int) -> tuple[Buffer, Buffer]:
+        """Row i's keys and values (views), [1, kv_heads, slots, head_dim]."""
+        return kv_map(lambda a: a[i : i + 1], self.keys), kv_map(lambda a: a[i : i + 1], self.values)
+
     def _reserve(self, slots: int) -> None:
-        capacity = self.keys.shape[2]
-        if slots <= capacity:
+        held = capacity(self.keys)
+        if slots <= held:
             return
         grown = (slots + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
-        pad = [(0, 0), (0, 0), (0, grown - capacity), (0, 0)]
-        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        pad = [(0, 0), (0, 0), (0, grown - held), (0, 0)]
+        self.keys, self.values = kv_map(lambda a: mx.pad(a, pad), self.keys), kv_map(lambda a: mx.pad(a, pad), self.values)
 
 
-def make_batch_cache(n_layers: int) -> list[BatchKVCache]:
-    return [BatchKVCache() for _ in range(n_layers)]
+class RingKVCache(BatchKVCache):
+    """Rows of a batch in bounded memory, as RotatingKVCache keeps one sequence: each row's first
+    `keep` positions and its last `max_size - keep` (the window), so the server's rows may run past
+    the context. Position p < keep is in slot p, a later one in keep + (p - keep) mod window: a
+    ring, written in place, whose buffers never grow or move. A decode step feeds one token a row,
+    which overwrites the one position its query no longer sees.
+    """
+
+    def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None):
+        super().__init__(quantization)
+        self.max_size, self.keep, self.window = max_size, keep, max_size - keep
+
+    def _slot(self, positions):
+        return np.where(positions < self.keep, positions, self.keep + (positions - self.keep) % self.window)
+
+    def mask(self, length: int, window: int = 0) -> mx.array:
+        """[batch, 1, length, max_size]: the kept first positions and the window's (a sliding layer's
+        own `window` instead, if any), among the positions the slots hold once the new ones are in."""
+        if length != 1:
+            raise ValueError("a ring cache takes one token a row at a time")
+        query = self.offset[:, None]  # [rows, 1]
+        slot = mx.arange(self.max_size)[None, :]
+        # The latest position each slot holds: slot s >= keep holds s, s + window, s + 2 window...
+        key = mx.where(slot < self.keep, slot, slot + self.window * ((query - slot) // self.window))
+        seen = (key <= query) & ((slot < self.keep) | (key >= self.keep))  # a ring slot not written yet: none
+        seen &= (key > query - window) if window else ((key < self.keep) | (key > query - self.window))
+        return seen[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+        batch, _, new, _ = keys.shape
+        if new != 1:
+            raise ValueError("a ring cache takes one token a row at a time")
+        if self.quantization is not None and (self.quantized or max(self.lengths) + 1 > self.quantization.start):
+            self._quantize()
+            keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+        slots = mx.array(self._slot(np.array(self.lengths))).reshape(batch, 1, 1, 1)
+        self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
+        self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
+        self.lengths, self._offset = [n + 1 for n in self.lengths], None
+        return self.keys, self.values
+
+    def add(self, cache: KVCache) -> None:
+        """Append a single sequence's cache, of any kind, as a new last row: what of it a later
+        query can see, moved to the ring's slots."""
+        length = cache.offset
+        positions, slots = cache.held()
+        wanted = (positions < self.keep) | (positions >= length - self.window)
+        source, target = mx.array(slots[wanted]), mx.array(self._slot(positions[wanted]))[None, None, :, None]
+
+        def ring(a: mx.array) -> mx.array:
+            empty = mx.zeros(a.shape[:2] + (self.max_size,) + a.shape[3:], a.dtype)
+            return mx.put_along_axis(empty, target, mx.take(a, source, axis=2), axis=2)
+
+        keys, values = kv_map(ring, cache.keys), kv_map(ring, cache.values)
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            if self.quantized != cache.quantized:  # one has passed the quantization's start: both are stored quantized
+                self._quantize()
+                if not cache.quantized:
+                    keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+            self.keys = kv_map(lambda a, b: mx.concatenate([a, b]), self.keys, keys)
+            self.values = kv_map(lambda a, b: mx.concatenate([a, b]), self.values, values)
+        self.lengths, self._offset = self.lengths + [length], None
+
+    def make_room(self, new: int) -> None:
+        """The ring is always the size it will be."""
+
+    def in_order(self, length: int) -> bool:
+        return length <= self.max_size
+
+
+def make_batch_cache(windows: list[int], quantization: KVQuantization | None = None, max_size: int = 0,
+                     keep: int = 0) -> list[BatchKVCache]:
+    """One batch cache a layer: growing with the longest row, or with a `max_size` a ring (a
+    sliding-window layer's: a ring of its own window, as SlidingKVCache keeps for one sequence)."""
+    if max_size:
+        return [RingKVCache(w, 0, quantization) if w else RingKVCache(max_size, keep, quantization) for w in windows]
+    return [BatchKVCache(quantization) for _ in windows]

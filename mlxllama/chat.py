@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterator
 
-from .cache import GROWTH_STEP, kv_bytes_per_position
+from .cache import GROWTH_STEP, check_kv_size, kv_bytes_per_position
 from .errors import MlxLlamaError, count
 from .files import write_text_atomic
 from .generate import PREFILL_CHUNK, TextStream
 from .prompt import Template, render_messages, tokenize_rendered, with_system
 from .prompt_cache import PromptCache
-from .runtime import Runtime, check_kv_size
+from .runtime import Runtime
 from .sampling import SamplingParams, make_sampler
 from .speculative import Speculation
 
@@ -44,7 +44,8 @@ class ChatSession:
         self.system = system
         self.messages: list[dict[str, str]] = []
         # Room for the conversation at its longest and one earlier prefix (a system prompt after /reset).
-        per_position = kv_bytes_per_position(runtime.config, runtime.model.compute_dtype)
+        model = runtime.model
+        per_position = kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization)
         # A rotating cache may hold a prefill chunk beyond its bound while it fills.
         held = max(runtime.config.context_length, max_kv_size + PREFILL_CHUNK) + GROWTH_STEP
         self.prompt_cache = prompt_cache or PromptCache(2 * held * per_position)

@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
-                          dequantize_option, dequantize_requested, kv_size_options, load_draft, load_model,
-                          load_prompt_cache, model_option, speculation_options,
-                          parse_template_kwargs, prompt_cache_option, requested_constraint, sampling_options,
-                          sampling_params, template_options)
+                          dequantize_option, dequantize_requested, kv_cache_options, kv_quantization_requested,
+                          kv_size_options, load_draft, load_model, load_prompt_cache, model_option, parse_template_kwargs,
+                          prompt_cache_option, requested_constraint, sampling_options, sampling_params,
+                          speculation_options, template_options)
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
 
@@ -111,6 +111,7 @@ def print_prompt(prompt) -> None:
 @model_option
 @dequantize_option
 @context_option
+@kv_cache_options
 @click.option("--prompt", "-p", "prompt_text", required=True, help="The prompt ('-' reads it from stdin).")
 @template_options
 @click.option("--compare-template", is_flag=True, help="Run with and without the template, same settings and seed.")
@@ -194,6 +195,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
 @model_option
 @dequantize_option
 @context_option
+@kv_cache_options
 @click.option("--prompt", "-p", "prompt_text", help="The text to cache: the start of later prompts ('-' reads stdin).")
 @click.option("--file", "-f", "prompt_file", type=click.Path(dir_okay=False), help="Read the text to cache from a file.")
 @click.option("--no-template", is_flag=True, help="Cache the raw text, with BOS if the file asks for one.")
@@ -266,6 +268,7 @@ def inspect_command(model_path, as_json):
 @model_option
 @dequantize_option
 @context_option
+@kv_cache_options
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--template-kwargs", metavar="JSON", help="Extra template variables, as a JSON object.")
@@ -323,6 +326,7 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @model_option
 @dequantize_option
 @context_option
+@kv_cache_options
 @click.argument("prompts_file", metavar="PROMPTS", type=click.File("r", encoding="utf-8"))
 @click.option("--out", "-o", "out_path", default="-", show_default=True, metavar="FILE",
               help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
@@ -337,10 +341,11 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @sampling_options
 @constraint_options
 @prompt_cache_option
+@kv_size_options
 @click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="Format of the summary printed to stderr at the end.")
 def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
-          template_kwargs, system, compare_template, prompt_cache_file, summary, **sampling):
+          template_kwargs, system, compare_template, prompt_cache_file, max_kv_size, keep, summary, **sampling):
     """Run every prompt of a JSONL file (or '-' for stdin) with batched decoding; write results in input order.
 
     Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
@@ -354,9 +359,13 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
     """
     from .batch_jobs import BatchSettings, results_output, run_batch
+    from .cache import check_kv_size
     from .prompt import choose_template
 
     check_no_template(no_template, system, compare_template, template_name, template_file)
+    check_kv_size(max_kv_size, keep)
+    if max_kv_size and prompt_cache_file:
+        raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -371,7 +380,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
                                 " template")
         saved = load_prompt_cache(prompt_cache_file, runtime, template)
         settings = BatchSettings(template, system, kwargs, params, sampling["max_tokens"], sampling["stop"],
-                                 compare_template, constraint, saved)
+                                 compare_template, constraint, saved, max_kv_size, keep)
         stats = run_batch(runtime, prompts_file, source, out, done, settings,
                           lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size)
     click.echo(stats.summary(summary), err=True)
@@ -386,6 +395,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
 @model_option
 @dequantize_option
 @context_option
+@kv_cache_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; one reachable from other machines needs --api-key.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
@@ -405,9 +415,10 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
               help="Prompt tokens a newcomer's prefill feeds between two decode steps of the running requests.")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
+@kv_size_options
 @sampling_options
 def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
-                  template_name, template_file, **sampling):
+                  template_name, template_file, max_kv_size, keep, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -418,6 +429,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     mlxllama serve -m model.gguf --port 8080
     curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from .cache import check_kv_size
     from .prompt import choose_template
     from .server import check_listen, serve
 
@@ -427,6 +439,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
         raise MlxLlamaError(f"mlxllama serve needs {e.name}: pip install \"mlxllama[serve]\"") from None
 
     check_no_template(False, None, False, template_name, template_file)
+    check_kv_size(max_kv_size, keep)
     params = sampling_params(sampling)
     check_listen(host, port, api_key)
     runtime = load_model(model_path)
@@ -435,7 +448,8 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
           max_queue, prompt_cache_mb << 20,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
-                                          f" (template {settings.template.label}); Ctrl-C stops", err=True))
+                                          f" (template {settings.template.label}); Ctrl-C stops", err=True),
+          max_kv_size=max_kv_size, keep=keep)
 
 
 @main.command("bench")
@@ -449,14 +463,17 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @click.option("--batch", "-b", "batches", default="1", show_default=True, metavar="LIST",
               help="Comma-separated numbers of sequences decoded together in tg.")
 @click.option("--repetitions", "-r", default=5, show_default=True, help="Timed runs of each test, after a warm-up.")
+@click.option("--depth", "-d", "depths", default="0", show_default=True, metavar="LIST",
+              help="Comma-separated numbers of positions each sequence's cache holds before pp and tg (llama-bench's -d).")
 @dequantize_option
 @context_option
+@kv_cache_options
 @constraint_options
 @speculation_options
 @click.option("--draft-prompt", metavar="TEXT", help="With --lookup or --draft-model: the raw prompt the tg tests start"
               " from (a copy task for lookup).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, draft_model, lookup,
+def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, depths, draft_model, lookup,
                   draft_tokens, draft_prompt, as_json):
     """Prompt (pp) and generation (tg) tokens/s, load time and memory, in the style of llama-bench.
 
@@ -464,17 +481,15 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
     mlxllama bench -m model.gguf -p 512 -n 128 -b 1,8,16
     mlxllama bench --synthetic tinyllama-1.1b --quant Q4_K_M --json
     mlxllama bench -p 0 -n 128 --json-schema benchmarks/long-array.schema.json
+    mlxllama bench --synthetic tinyllama-1.1b -d 0,8192 --kv-bits 8
     """
     import tempfile
 
     from . import bench, synthetic as synthetic_models
 
-    try:
-        batch_sizes = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise MlxLlamaError(f"--batch: expected comma-separated integers, got {batches!r}") from None
-    if min(batch_sizes) < 1 or repetitions < 1 or n_prompt < 0 or n_gen < 0:
-        raise MlxLlamaError("--batch and --repetitions must be at least 1, -p and -n at least 0")
+    batch_sizes, depth_list = integer_list(batches, "--batch"), integer_list(depths, "--depth")
+    if min(batch_sizes) < 1 or repetitions < 1 or n_prompt < 0 or n_gen < 0 or min(depth_list) < 0:
+        raise MlxLlamaError("--batch and --repetitions must be at least 1, -p, -n and --depth at least 0")
     with tempfile.TemporaryDirectory() as scratch:
         if synthetic:
             model_path = model_path or os.path.join(scratch, f"{synthetic}-{quant}.gguf")
@@ -483,8 +498,15 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
                            dequantize=dequantize_requested(), context_length=context_requested(),
                            constraint=requested_constraint(), draft=draft_model or lookup, draft_tokens=draft_tokens,
-                           draft_prompt=draft_prompt)
+                           draft_prompt=draft_prompt, depths=depth_list, kv_quantization=kv_quantization_requested())
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
+
+
+def integer_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise MlxLlamaError(f"{option}: expected comma-separated integers, got {text!r}") from None
 
 
 @main.command("trace")
@@ -561,6 +583,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
 @main.command("perplexity")
 @model_option
 @dequantize_option
+@kv_cache_options
 @click.argument("text_path", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--ctx", "-c", "n_ctx", default=512, show_default=True,
               help="Chunk length in tokens, and the context the model is loaded for (llama.cpp's -c).")

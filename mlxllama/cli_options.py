@@ -129,13 +129,50 @@ def context_requested() -> int | None:
     return click.get_current_context().meta.get("mlxllama.context_length")
 
 
+def kv_cache_options(f):
+    # Not passed to the command: load_model reads them, as it reads --dequantize.
+    def remember(ctx, param, value):
+        ctx.meta[f"mlxllama.{param.name}"] = value
+
+    options = [
+        click.option("--kv-bits", type=int, default=None, metavar="4|8", expose_value=False, callback=remember,
+                     help="Store the KV cache quantized to this many bits a value (MLX's affine quantization):"
+                          " about 1/2 (8) or 1/4 (4) of its memory at float16."),
+        click.option("--kv-group-size", type=int, default=None, metavar="N", expose_value=False, callback=remember,
+                     help="With --kv-bits: values sharing one scale and bias (default 64, or 32 for heads of 64 or fewer)."),
+        click.option("--quantized-kv-start", type=int, default=0, show_default=True, metavar="N", expose_value=False,
+                     callback=remember, help="With --kv-bits: hold the first N positions at full precision, and"
+                                             " quantize the cache once it holds more."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def kv_quantization_requested():
+    """The KVQuantization the --kv-* options ask for, or None."""
+    from .cache import KVQuantization
+
+    meta = click.get_current_context().meta
+    bits = meta.get("mlxllama.kv_bits")
+    if bits is None:
+        given = [f"--{name}" for name, default in (("kv-group-size", None), ("quantized-kv-start", 0))
+                 if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
+        if given:
+            raise MlxLlamaError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --kv-bits")
+        return None
+    return KVQuantization(bits, meta["mlxllama.kv_group_size"], meta["mlxllama.quantized_kv_start"])
+
+
 def load_model(model_path: str | None, context_length: int | None = None):
-    """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context."""
+    """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context,
+    its caches stored as the --kv-* options say."""
     from .runtime import load
 
     if context_length is None:
         context_length = context_requested()
-    return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length)
+    return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length,
+                kv_quantization=kv_quantization_requested())
 
 
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",

@@ -16,15 +16,16 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, keeps_window
+from .cache import Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range
 
 
 @dataclass
 class Entry:
     ids: tuple[int, ...]
-    # keys, values [1, kv_heads, slots, head_dim] a layer, slot 0 holding position starts[i] (0 but
-    # for a sliding-window layer's cache, which keeps only its window); later slots are unused
-    layers: list[tuple[mx.array, mx.array]]
+    # keys, values [1, kv_heads, slots, head_dim] a layer (quantized or not, as the cache stored
+    # them), slot 0 holding position starts[i] (0 but for a sliding-window layer's cache, which
+    # keeps only its window); later slots are unused
+    layers: list[tuple[Buffer, Buffer]]
     nbytes: int
     used: int = field(default=0)
     starts: tuple[int, ...] = ()
@@ -60,17 +61,20 @@ class PromptCache:
             best.used = next(self._clock)
         return best, length
 
-    def restore(self, entry: Entry, length: int, model, bounded: bool = False) -> list[KVCache]:
-        """A fresh cache holding the entry's first `length` positions (the entry is left as it is)."""
-        cache = model.make_cache(bounded)
-        _fill(cache, entry, length, lambda a, end: a[..., :end, :])
+    def restore(self, entry: Entry, length: int, model, bounded: bool = False, max_kv_size: int = 0,
+                keep: int = 0) -> list[KVCache]:
+        """A fresh cache (model.make_cache's, of these bounds) holding the entry's first `length`
+        positions (the entry is left as it is)."""
+        cache = model.make_cache(bounded, max_kv_size, keep)
+        _fill(cache, entry, length, lambda a, end: slot_range(a, 0, end))
         return cache
 
-    def store(self, ids: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> None:
+    def store(self, ids: Sequence[int], layers: Sequence[tuple[Buffer, Buffer]]) -> None:
         """Keep the keys and values of `ids` ([1, kv_heads, >= len(ids), head_dim] a layer, copied
         here); an entry whose ids this one extends is replaced by it."""
         ids = tuple(ids)
-        copies = [(mx.contiguous(k[:, :, : len(ids)]), mx.contiguous(v[:, :, : len(ids)])) for k, v in layers]
+        copies = [tuple(kv_map(lambda a: mx.contiguous(a[:, :, : len(ids)]), buffer) for buffer in layer)
+                  for layer in layers]
         mx.eval(copies)
         self._add(ids, copies)
 
@@ -92,11 +96,11 @@ class PromptCache:
         self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache],
                   tuple(layer.start for layer in cache), tuple(layer.window for layer in cache))
 
-    def _add(self, ids: tuple[int, ...], layers: list[tuple[mx.array, mx.array]], starts: tuple[int, ...] = (),
+    def _add(self, ids: tuple[int, ...], layers: list[tuple[Buffer, Buffer]], starts: tuple[int, ...] = (),
              windows: tuple[int, ...] = ()) -> None:
         """A new entry, replacing those whose ids it extends; then the least recently used go
         while the store is over its bound."""
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        nbytes = sum(kv_nbytes(k) + kv_nbytes(v) for k, v in layers)
         if not ids or nbytes > self.max_bytes:
             return
         self.entries = [e for e in self.entries if e.ids != ids[: len(e.ids)]]

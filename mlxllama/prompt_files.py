@@ -3,7 +3,8 @@ saved with everything they depend on, so a later run prefills only what follows 
 
 A file is safetensors: the prefix's token ids, each layer's keys and values for those positions,
 and in its metadata the model file's identity and the settings that change the keys and values
-(the template, the context length, native or dequantized weights, the compute dtype). Loading
+(the template, the context length, native or dequantized weights, the compute dtype, how the
+cache is quantized: a quantized cache is saved as it is stored, as its three arrays). Loading
 checks all of them against the run and refuses, in one line, a file that does not match: a cache
 made for another model or with other settings would give wrong output, not an error.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .cache import Buffer, kv_arrays, kv_label, kv_map, kv_nbytes
 from .errors import MlxLlamaError, count
 from .files import replace_atomically
 from .generate import prefill
@@ -69,11 +71,15 @@ def settings_of(runtime, template: Template) -> dict[str, str]:
         "context_length": str(runtime.config.context_length),  # Phi-3's RoPE factors depend on it
         "weights": "dequantized" if runtime.dequantized else "native",
         "dtype": str(runtime.model.compute_dtype).removeprefix("mlx.core."),
+        "kv_cache": kv_label(runtime.model.kv_quantization),
     }
 
 
 SETTING_NAMES = {"template": "the template", "template_sha256": "the template's text",
-                 "context_length": "--ctx", "weights": "native or --dequantize weights", "dtype": "the compute dtype"}
+                 "context_length": "--ctx", "weights": "native or --dequantize weights", "dtype": "the compute dtype",
+                 "kv_cache": "the KV cache"}
+# The names of a quantized buffer's arrays in a file, after "layers.{i}.keys." (mx.quantize's order).
+QUANTIZED_PARTS = ("packed", "scales", "biases")
 
 
 def save(path: str, runtime, template: Template, ids: list[int], text: str) -> int:
@@ -84,8 +90,10 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
     prefill(runtime.model, ids, cache)
     arrays = {"ids": mx.array(ids, mx.int32)}
     for i, layer in enumerate(cache):
-        arrays[f"layers.{i}.keys"] = mx.contiguous(layer.keys[..., : len(ids), :])
-        arrays[f"layers.{i}.values"] = mx.contiguous(layer.values[..., : len(ids), :])
+        for name, buffer in (("keys", layer.keys), ("values", layer.values)):
+            parts = kv_arrays(kv_map(lambda a: mx.contiguous(a[..., : len(ids), :]), buffer))
+            names = [f"layers.{i}.{name}"] if len(parts) == 1 else [f"layers.{i}.{name}.{p}" for p in QUANTIZED_PARTS]
+            arrays.update(zip(names, parts))
     mx.eval(list(arrays.values()))
     metadata = {"format": FORMAT, "model": os.path.basename(runtime.path), "model_identity": model_identity(runtime.path),
                 "settings": json.dumps(settings_of(runtime, template)), "checksum": checksum(arrays), "text": text}
@@ -97,7 +105,7 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
 class SavedPrefix:
     path: str
     ids: list[int]
-    layers: list[tuple[mx.array, mx.array]]
+    layers: list[tuple[Buffer, Buffer]]
 
     def check_starts(self, ids: list[int]) -> None:
         """A prompt that does not start with the saved prefix is an error: reusing it would be wrong."""
@@ -109,7 +117,7 @@ class SavedPrefix:
     def store(self, into: PromptCache | None = None) -> PromptCache:
         """A prompt cache holding the prefix (`into`, or one just large enough), for generate, chat
         and batch to take it from."""
-        store = into or PromptCache(sum(k.nbytes + v.nbytes for k, v in self.layers))
+        store = into or PromptCache(sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.layers))
         store.store(self.ids, self.layers)
         return store
 
@@ -169,18 +177,34 @@ def _ids(path: str, arrays: dict) -> list[int]:
     return ids.tolist()
 
 
-def _layers(path: str, arrays: dict, runtime) -> list[tuple[mx.array, mx.array]]:
+def _layers(path: str, arrays: dict, runtime) -> list[tuple[Buffer, Buffer]]:
     """Each layer's keys and values, of the shapes this model's cache holds for the prefix."""
     config, n = runtime.config, arrays["ids"].size
-    dtype = runtime.model.compute_dtype
+    expected = _stored_layout(runtime.model, n)
     layers = []
     for i in range(config.n_layers):
-        pair = (arrays.get(f"layers.{i}.keys"), arrays.get(f"layers.{i}.values"))
-        for name, a in zip(("keys", "values"), pair):
-            if a is None or a.shape != (1, config.n_kv_heads, n, config.head_dim) or a.dtype != dtype:
-                raise MlxLlamaError(f"{path}: layers.{i}.{name} is missing or not [1, {config.n_kv_heads}, {n},"
-                                    f" {config.head_dim}] {dtype}")
-        layers.append(pair)
-    if len(arrays) != 1 + 2 * config.n_layers:
-        raise MlxLlamaError(f"{path}: holds {len(arrays) - 1} layer arrays, the model has {config.n_layers} layers")
+        pair = []
+        for name in ("keys", "values"):
+            parts = []
+            for suffix, shape, dtype in expected:
+                key = f"layers.{i}.{name}{suffix}"
+                a = arrays.get(key)
+                if a is None or a.shape != shape or a.dtype != dtype:
+                    raise MlxLlamaError(f"{path}: {key} is missing or not {list(shape)} {dtype}")
+                parts.append(a)
+            pair.append(tuple(parts) if len(parts) > 1 else parts[0])
+        layers.append(tuple(pair))
+    if len(arrays) != 1 + 2 * len(expected) * config.n_layers:
+        raise MlxLlamaError(f"{path}: holds {len(arrays) - 1} layer arrays, the model's {config.n_layers} layers"
+                            f" take {2 * len(expected) * config.n_layers}")
     return layers
+
+
+def _stored_layout(model, n: int) -> list[tuple[str, tuple, mx.Dtype]]:
+    """The arrays a layer's keys (or values) of n positions are stored as: (name suffix, shape, dtype)."""
+    c, dtype, q = model.config, model.compute_dtype, model.kv_quantization
+    if q is None or n <= q.start:
+        return [("", (1, c.n_kv_heads, n, c.head_dim), dtype)]
+    groups = (1, c.n_kv_heads, n, c.head_dim // q.group_size)
+    layouts = [((1, c.n_kv_heads, n, c.head_dim * q.bits // 32), mx.uint32), (groups, dtype), (groups, dtype)]
+    return [(f".{part}", shape, dtype) for part, (shape, dtype) in zip(QUANTIZED_PARTS, layouts)]

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache
+from .cache import KVCache, KVQuantization, check_kv_size
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
 from .generate import GenerationResult, TextStream
@@ -156,7 +156,7 @@ class Runtime:
 
 
 def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
-         context_length: int | None = None) -> Runtime:
+         context_length: int | None = None, kv_quantization: KVQuantization | None = None) -> Runtime:
     """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
 
     `context_length` limits prompt plus generation (default: the model's trained context, as
@@ -166,6 +166,9 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     to `dtype` instead, the simple mode to compare against. The decode step is chosen here, once:
     on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every
     model prefills with explicit attention (Transformer.attend_prefill_explicitly).
+
+    With a `kv_quantization` (KVQuantization(bits=8), say) every cache made for the model stores its
+    keys and values quantized: --kv-bits.
     """
     start = time.perf_counter()
     gguf = open_gguf(path)
@@ -174,6 +177,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
     model = load_model(gguf, architecture, config, dtype, native=not dequantize)
+    model.store_kv_quantized(kv_quantization)
     if not dequantize and cuda_kernels_wanted():
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
 
@@ -182,14 +186,6 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         model.attend_prefill_explicitly()
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start, dequantize)
-
-
-def check_kv_size(max_kv_size: int, keep: int) -> None:
-    """A rotating cache's bounds: keep >= 0 first positions, and room for more than them."""
-    if max_kv_size < 0:
-        raise MlxLlamaError("--max-kv-size must be 0 (off) or positive")
-    if max_kv_size and not 0 <= keep < max_kv_size - 1:
-        raise MlxLlamaError(f"--max-kv-size {max_kv_size} must exceed --keep {keep} by at least 2")
 
 
 def on_cuda() -> bool:

@@ -89,7 +89,10 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: QT) -
     return data.reshape(rows, -1)
 
 
-def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "Q4_K_M", seed: int = 0) -> None:
+def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "Q4_K_M", seed: int = 0,
+          context: int | None = None) -> None:
+    """The file of a published model's layout, with random weights; a `context` other than the
+    model's lets benchmarks go deeper than it was trained for (random weights do not care)."""
     if model not in SHAPES:
         raise MlxLlamaError(f"unknown synthetic model {model!r} (known: {', '.join(SHAPES)})")
     if quant not in QUANTS:
@@ -98,7 +101,7 @@ def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
     writer.add_name(f"synthetic {model} {quant}")
-    writer.add_context_length(shape.context)
+    writer.add_context_length(context or shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.n_layers)
     writer.add_feed_forward_length(shape.ffn)

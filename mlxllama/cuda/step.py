@@ -21,7 +21,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import BatchKVCache, KVCache, rotates
+from ..cache import BatchKVCache, KVCache, quantizes, rotates
 from ..fusion import FUSED
 from ..models.transformer import DecodeStep, Transformer, rope_periods
 from ..quantized_layers import NativeLinear
@@ -113,8 +113,10 @@ class KernelStep:
         return rows == 1 or (self.batches and rows <= MAX_BATCH)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
-        # The kernels write position p to slot p: a cache that drops positions goes the plain way.
-        if cache[0].keys is None or tokens.shape[1] != 1 or not self.takes(tokens.shape[0]) or rotates(cache):
+        # The kernels write position p to slot p of plain buffers: a cache that drops positions or
+        # stores them quantized goes the plain way.
+        if (cache[0].keys is None or tokens.shape[1] != 1 or not self.takes(tokens.shape[0]) or rotates(cache)
+                or quantizes(cache)):
             return self.fallback(tokens, cache)
         for layer in cache:
             layer.make_room(1)

@@ -13,7 +13,8 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import BatchKVCache, KVCache, SlotCache, causal_mask, make_batch_cache, make_cache, visible
+from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_map, make_batch_cache,
+                     make_cache, quantizes, visible)
 from .config import ModelConfig
 
 
@@ -106,7 +107,9 @@ class Block(nn.Module):
             q, k = q * scale, k * scale
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
+        if isinstance(k, tuple):  # stored quantized: MLX's fused kernel does not read that
+            out = explicit_attention(q, k, v, self._attention_scale, mask, cache.quantization)
+        elif self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
             out = explicit_attention(q, k, v, self._attention_scale, mask)
         else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
@@ -141,6 +144,8 @@ class Transformer(nn.Module):
         self.compute_dtype = compute_dtype
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blk = [Block(config, compute_dtype, i) for i in range(config.n_layers)]
+        # How the caches made for this model store keys and values (store_kv_quantized).
+        self.kv_quantization: KVQuantization | None = None
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -155,15 +160,20 @@ class Transformer(nn.Module):
         for block in self.blk:
             block._explicit_prefill = True
 
+    def store_kv_quantized(self, quantization: KVQuantization | None) -> None:
+        """Make every cache made from now on store keys and values so (None: at full precision)."""
+        self.kv_quantization = quantization and quantization.for_heads(self.config.head_dim)
+
     def make_cache(self, bounded: bool = True, max_kv_size: int = 0, keep: int = 0) -> list[KVCache]:
         """A fresh cache for one sequence, one entry a layer; a sliding layer's keeps only its window
         unless `bounded` is False, and with a `max_kv_size` the others keep their first `keep`
         positions and the rest of max_kv_size last ones (cache.make_cache)."""
-        return make_cache([block.window for block in self.blk], bounded, max_kv_size, keep)
+        return make_cache([block.window for block in self.blk], bounded, max_kv_size, keep, self.kv_quantization)
 
-    def make_batch_cache(self) -> list[BatchKVCache]:
-        """A fresh cache for rows of different lengths (batching.py), one entry a layer."""
-        return make_batch_cache(len(self.blk))
+    def make_batch_cache(self, max_kv_size: int = 0, keep: int = 0) -> list[BatchKVCache]:
+        """A fresh cache for rows of different lengths (batching.py), one entry a layer; with a
+        `max_kv_size`, rings keeping each row's first `keep` and last positions (cache.RingKVCache)."""
+        return make_batch_cache([block.window for block in self.blk], self.kv_quantization, max_kv_size, keep)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """tokens [batch, length] -> logits [batch, length, vocab] (float32).
@@ -213,16 +223,28 @@ class Transformer(nn.Module):
 EXPLICIT_PREFILL_MAX_KEYS = 4096
 
 
-def explicit_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
+                       quantization: KVQuantization | None = None) -> mx.array:
     """Softmax attention as matrix products: q [batch, heads, length, head_dim] against k and v
-    [batch, kv_heads, keys, head_dim]; `mask` as the fused kernel takes it (None, "causal", or
-    booleans broadcasting to [batch, heads, length, keys]). Scores and softmax in float32."""
+    [batch, kv_heads, keys, head_dim], or against keys and values stored with `quantization` (by
+    MLX's quantized products, as mlx-lm attends its quantized cache); `mask` as the fused kernel
+    takes it (None, "causal", or booleans broadcasting to [batch, heads, length, keys]). Scores
+    and softmax in float32, but for a quantized cache's scores, which are in q's type."""
     batch, heads, length, head_dim = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
+    kv_heads, keys = (k[0] if quantization else k).shape[1:3]
     groups = heads // kv_heads
     # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
-    q = q.reshape(batch, kv_heads, groups, length, head_dim).astype(mx.float32) * scale
-    scores = q @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    q = q.reshape(batch, kv_heads, groups, length, head_dim)
+    k, v = kv_map(lambda a: a[:, :, None], k), kv_map(lambda a: a[:, :, None], v)
+    if quantization and not quantized_products_run(head_dim, quantization):
+        # The same values through plain products: the cache stays small, the step reads more.
+        k, v = (mx.dequantize(*b, group_size=quantization.group_size, bits=quantization.bits) for b in (k, v))
+        quantization = None
+    if quantization:
+        product = dict(group_size=quantization.group_size, bits=quantization.bits)
+        scores = mx.quantized_matmul(q * scale, *k, transpose=True, **product).astype(mx.float32)
+    else:
+        scores = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
     if isinstance(mask, str):  # "causal": the queries are the last `length` positions
         mask = visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
     if mask is not None:
@@ -230,8 +252,19 @@ def explicit_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
             mask = mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
                 mask.shape[0], kv_heads, groups, length, keys)
         scores = mx.where(mask, scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
-    return (weights @ v[:, :, None]).reshape(batch, heads, length, head_dim)
+    if quantization:
+        weights = mx.softmax(scores, axis=-1).astype(q.dtype)
+        out = mx.quantized_matmul(weights, *v, transpose=False, **product)
+    else:
+        out = mx.softmax(scores, axis=-1).astype(v.dtype) @ v
+    return out.reshape(batch, heads, length, head_dim)
+
+
+def quantized_products_run(head_dim: int, quantization: KVQuantization) -> bool:
+    """Whether MLX's quantized products take keys and values stored so. Its CUDA build (0.32) has
+    no kernel for many of attention's shapes (a single key, a head of one group: "No implementation
+    for problem shape"), so there, and for heads of one group anywhere, they are dequantized first."""
+    return quantization.group_size < head_dim and not (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 class DecodeStep(Protocol):
@@ -267,8 +300,8 @@ class CompiledStep:
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         model = self.model()
-        if cache[0].keys is None or not all(type(layer) is KVCache for layer in cache):
-            return model(tokens, cache)[:, -1]  # batches and sliding windows: the plain forward pass
+        if cache[0].keys is None or not all(type(layer) is KVCache for layer in cache) or quantizes(cache):
+            return model(tokens, cache)[:, -1]  # batches, sliding windows, quantized caches: the plain forward pass
         for layer in cache:
             layer.make_room(tokens.shape[1])
         buffers = [a for layer in cache for a in (layer.keys, layer.values)]

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..batching import Request, Row, TokenLogprob
+from ..cache import kv_label
 from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
@@ -70,7 +71,9 @@ class Api:
         return JSONResponse({"status": "ok", "requests_running": self.engine.running,
                              "requests_waiting": self.engine.waiting_count,
                              "active_memory_bytes": mx.get_active_memory(),
-                             "prompt_cache_bytes": cache.nbytes if cache else 0})
+                             "prompt_cache_bytes": cache.nbytes if cache else 0,
+                             "kv_cache": kv_label(self.runtime.model.kv_quantization),
+                             "max_kv_size": self.engine.max_kv_size})
 
     async def models(self, request: HttpRequest) -> Response:
         return await self._guarded(request, lambda body: JSONResponse({"object": "list", "data": [
@@ -221,7 +224,7 @@ class Api:
             except MlxLlamaError as e:
                 raise ApiError(f"response_format: {e}", "response_format") from None
         try:
-            check_fits(len(prompt.ids), self.runtime.config.context_length)
+            check_fits(len(prompt.ids), self.engine.decoder.context or len(prompt.ids))
         except MlxLlamaError as e:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,

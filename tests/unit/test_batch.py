@@ -62,9 +62,9 @@ def cli(runtime, monkeypatch):
 
 
 def test_batched_step_logits_are_bit_identical(runtime, prompts):
-    model, layers = runtime.model, runtime.config.n_layers
+    model = runtime.model
     singles, tokens = [], []
-    batch = make_batch_cache(layers)
+    batch = model.make_batch_cache()
     for ids in prompts[:3]:
         single = model.make_cache()
         tokens.append(int(mx.argmax(prefill(model, ids, single))))
@@ -82,8 +82,8 @@ def test_batched_step_logits_are_bit_identical(runtime, prompts):
 def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
     """model.step on a BatchKVCache (as batch decoding calls it) gives the forward pass's logits and
     moves every row on by exactly one position."""
-    model, layers = runtime.model, runtime.config.n_layers
-    stepped, forward = make_batch_cache(layers), make_batch_cache(layers)
+    model = runtime.model
+    stepped, forward = model.make_batch_cache(), model.make_batch_cache()
     tokens = []
     for ids in prompts[:3]:
         single = model.make_cache()
@@ -125,7 +125,7 @@ def test_stop_strings_and_max_tokens_per_prompt(runtime):
 
 def test_batch_cache_builds_its_offset_once_per_change():
     """RoPE, the mask and the update of a step all read one offset array; it follows every change of lengths."""
-    layer = make_batch_cache(1)[0]
+    layer = make_batch_cache([0])[0]
     for length in (3, 5):
         single = make_cache([0])[0]
         single.update_and_fetch(mx.zeros((1, 2, length, 4)), mx.zeros((1, 2, length, 4)))
@@ -135,7 +135,7 @@ def test_batch_cache_builds_its_offset_once_per_change():
     assert layer.offset is offset and offset.tolist() == [3, 5]
     layer.update_and_fetch(mx.ones((2, 2, 1, 4)), mx.ones((2, 2, 1, 4)))
     assert layer.offset.tolist() == [4, 6]
-    layer.keep([1])
+    layer.keep_rows([1])
     assert layer.offset.tolist() == [6]
 
 

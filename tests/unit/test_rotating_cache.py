@@ -76,8 +76,9 @@ def test_chunked_passes_equal_the_masked_full_pass(name, max_size, keep, chunk, 
         assert float(difference.max()) < 1e-4
     else:
         # float16 on a GPU: chunks and one pass round differently, rotation or not (an H100 measured
-        # up to 0.13, mean 0.0024, for both); an unmasked pass differs by tens.
-        assert float(difference.max()) < 0.25 and float(difference.mean()) < 5e-3
+        # up to 0.29 for chat-tiny fed one token at a time, whose residual stream reaches 5,500; mean
+        # 0.0024); an unmasked pass differs by tens.
+        assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
     assert largest <= max_size + min(chunk, len(ids)) + GROWTH_STEP  # bounded, whatever the length
     assert rotating[0].start > keep  # it did drop positions
 
@@ -112,6 +113,61 @@ def test_chat_goes_on_past_the_context_in_bounded_memory():
     (entry,) = session.prompt_cache.entries
     assert max(k.shape[2] for k, _ in entry.layers) <= 128 + 512 + GROWTH_STEP
     assert session.last_cached > 0  # later turns still start from the kept cache
+
+
+@pytest.mark.parametrize("name", ["chat-tiny-Q4_K_M.gguf", "gemma3-tiny-Q8_0.gguf"])
+def test_rows_of_a_ring_batch_decode_as_the_masked_full_pass(name):
+    """Rows of different lengths (some past the bound already) join a ring batch cache from their
+    own rotating caches and decode past the wrap; each row's logits at each step equal the masked
+    full pass over its prompt and the tokens fed after it."""
+    rt = runtime(name)
+    max_size, keep, steps = 64, 4, 80
+    text = rt.tokenize(TEXT)
+    prompts = [text[:30], text[5:95], text[11:211]]
+    batch = rt.model.make_batch_cache(max_size, keep)
+    tokens = []
+    for ids in prompts:
+        single = rt.model.make_cache(max_kv_size=max_size, keep=keep)
+        tokens.append(int(mx.argmax(rt.model(mx.array([ids]), single)[0, -1])))
+        for layer, row in zip(batch, single):
+            layer.add(row)
+    fed = [list(ids) for ids in prompts]
+    got = [[] for _ in prompts]
+    for _ in range(steps):
+        for row, token in zip(fed, tokens):
+            row.append(token)
+        logits = rt.model.step(mx.array([[t] for t in tokens]), batch)
+        for row, out in zip(got, logits):
+            row.append(out)
+        tokens = mx.argmax(logits, axis=-1).tolist()
+    assert all(layer.keys.shape[2] <= max_size for layer in batch)  # the ring never grows
+    assert batch[0].lengths == [len(ids) for ids in fed]
+    for ids, rows, prompt in zip(fed, got, prompts):
+        want = reference_logits(rt, ids, max_size, keep)[len(prompt) :]
+        difference = mx.abs(mx.stack(rows) - want)
+        if rt.model.compute_dtype == mx.float32:
+            assert float(difference.max()) < 1e-4
+        else:
+            assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+
+
+def test_batch_generate_runs_rows_past_the_context():
+    rt = runtime("chat-tiny-Q4_K_M.gguf")
+    long_prompt = rt.tokenize(TEXT)[:600]  # past chat-tiny's context of 512
+    with pytest.raises(MlxLlamaError, match="more than the model's context of 512"):
+        mlxllama.batch_generate(rt, [long_prompt], max_tokens=4)
+    short = rt.tokenize("The capital of Italy is")
+    results = mlxllama.batch_generate(rt, [long_prompt, short], max_tokens=30, max_kv_size=96, keep=4, batch_size=2)
+    assert len(results[0].token_ids) >= 10 and results[1].text == rt.generate(short, 30, max_kv_size=96).text
+    alone = rt.generate(long_prompt, 30, max_kv_size=96, keep=4)
+    logits = reference_logits(rt, long_prompt + results[0].token_ids, 96, 4)[len(long_prompt) - 1 : -1]
+    for n, token in enumerate(results[0].token_ids):  # greedy equal up to near-ties, as above
+        top = mx.topk(logits[n], 2)
+        tie = 1e-3 if rt.model.compute_dtype == mx.float32 else 0.08
+        assert token == int(mx.argmax(logits[n])) or float(top.max() - top.min()) < tie, n
+        if token != int(mx.argmax(logits[n])):
+            break
+    assert alone.token_ids[:10] == results[0].token_ids[:10]
 
 
 def test_bad_bounds_are_one_line_errors():

@@ -1,0 +1,229 @@
+"""The quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): keys and values
+stored as MLX's affine quantization stores them and attended with its quantized products.
+
+The reference is one full pass whose keys and values are quantized and dequantized exactly as the
+cache stores them, attended the ordinary way: the cache must equal it within float rounding, in
+every kind of cache (full, sliding window, rotating, batch) and however the tokens are fed. How
+much quantizing costs in perplexity is measured against the unquantized cache
+(tests/cli/test_kv_cache_cli.py and docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxllama
+from mlxllama.batching import BatchDecoder, Request, batch_generate
+from mlxllama.cache import (KVQuantization, RotatingKVCache, capacity, causal_mask, kv_bytes_per_position, kv_nbytes,
+                            visible)
+from mlxllama.errors import MlxLlamaError
+from mlxllama.prompt_cache import PromptCache
+
+from conftest import PACKAGE_DATA, REPO_FIXTURES
+
+TEXT = "The capital of Japan is Tokyo. What is 17 plus 25? My name is Zoe. " * 30
+MODELS = ["chat-tiny-Q4_K_M.gguf", "gemma3-tiny-Q8_0.gguf", "qwen3-tiny-Q4_K_M.gguf"]
+
+
+@cache
+def runtime(name: str):
+    path = PACKAGE_DATA / name if name.startswith("chat-tiny") else REPO_FIXTURES / name
+    return mlxllama.load(path)
+
+
+def quantized(name: str, bits: int, start: int = 0):
+    """The model of `name`, its caches quantized so (the setting is restored by the fixture below)."""
+    rt = runtime(name)
+    rt.model.store_kv_quantized(KVQuantization(bits, start=start))
+    return rt
+
+
+@pytest.fixture(autouse=True)
+def unquantized_after():
+    yield
+    for name in MODELS:
+        runtime(name).model.store_kv_quantized(None)
+
+
+class RoundTripPass:
+    """A layer "cache" for one full pass that keeps nothing and hands attention the keys and values
+    as a quantized cache would read them back, under the mask it is given; after those of a
+    `prefix` (an unquantized layer cache), if any."""
+
+    def __init__(self, quantization: KVQuantization | None, mask, prefix=None):
+        self.quantization, self._mask, self.prefix = quantization, mask, prefix
+        self.offset = prefix.offset if prefix else 0
+
+    def mask(self, length: int, window: int = 0):
+        return self._mask if self._mask is not None else causal_mask(length, self.offset, window)
+
+    def update_and_fetch(self, keys, values):
+        if self.prefix is not None:
+            held = self.prefix.offset
+            keys = mx.concatenate([self.prefix.keys[..., :held, :], keys], axis=2)
+            values = mx.concatenate([self.prefix.values[..., :held, :], values], axis=2)
+        if self.quantization is None:
+            return keys, values
+        q = self.quantization
+        return tuple(mx.dequantize(*q.encode(a), group_size=q.group_size, bits=q.bits) for a in (keys, values))
+
+
+def reference(rt, ids: list[int], quantization: KVQuantization | None, mask=None, prefix=None) -> mx.array:
+    """The last layer's output at every position from one pass whose keys and values went through
+    `quantization` (after a `prefix` cache's, the same way)."""
+    layers = [RoundTripPass(quantization, mask if mask is None or not block.window else None, prefix and prefix[i])
+              for i, block in enumerate(rt.model.blk)]
+    return rt.model.hidden_states(mx.array([ids]), layers)[0]
+
+
+def chunked(rt, ids: list[int], chunk: int, kv) -> mx.array:
+    """The last layer's output at every position, fed `chunk` ids at a time (the output layer,
+    which attention does not touch, is left out: it is most of a tiny model's time)."""
+    rows = []
+    for start in range(0, len(ids), chunk):
+        rows.append(rt.model.hidden_states(mx.array([ids[start : start + chunk]]), kv)[0])
+        mx.eval(rows[-1])
+    return mx.concatenate(rows)
+
+
+def assert_close(got: mx.array, want: mx.array) -> None:
+    """Equal within rounding, relative to the largest output (chat-tiny's residual stream reaches 5,500)."""
+    difference, scale = mx.abs(got - want), float(mx.abs(want).max())
+    if mx.default_device() == mx.cpu:
+        # The same dequantized values in other products (quantized ones, and chunks): float32 rounding.
+        assert float(difference.max()) <= 1e-5 * scale
+    else:
+        # float16 on a GPU: chunks and one pass round differently, quantized or not.
+        assert float(difference.max()) <= 2e-2 * scale and float(difference.mean()) <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("chunk", [1, 37, 512])
+def test_chunked_passes_equal_the_round_trip_pass(name, bits, chunk):
+    rt = quantized(name, bits)
+    ids = rt.tokenize(TEXT)[: 90 if chunk == 1 else 400]
+    kv = rt.model.make_cache()
+    got = chunked(rt, ids, chunk, kv)
+    assert all(layer.quantized and layer.offset == len(ids) for layer in kv)
+    want = reference(rt, ids, rt.model.kv_quantization)
+    assert_close(got, want)
+    # and it is not the unquantized pass (by 1.3% of the largest output at the least, chat-tiny's
+    # at 8 bits): the test would see a cache that stored full precision
+    assert float(mx.abs(got - reference(rt, ids, None)).max()) > 5e-3 * float(mx.abs(want).max())
+
+
+def test_the_first_positions_stay_full_precision_until_the_start():
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4, start=100)
+    ids = rt.tokenize(TEXT)[:250]
+    kv = rt.model.make_cache()
+    before = chunked(rt, ids[:96], 32, kv)
+    assert not kv[0].quantized and kv[0].offset == 96
+    assert_close(before, reference(rt, ids[:96], None))
+    # The keys and values of those 96 positions, computed at full precision throughout.
+    rt.model.store_kv_quantized(None)
+    prefix = rt.model.make_cache()
+    chunked(rt, ids[:96], 96, prefix)
+    # The chunk that takes the cache past the start sees every position quantized, the first ones too.
+    after = chunked(rt, ids[96:], 32, kv)
+    assert kv[0].quantized
+    assert_close(after, reference(rt, ids[96:], kv[0].quantization, prefix=prefix))
+
+
+def test_rotating_cache_quantized_equals_the_masked_round_trip_pass():
+    rt = quantized("gemma3-tiny-Q8_0.gguf", 8)
+    ids = rt.tokenize(TEXT)[:500]
+    max_size, keep = 80, 4
+    kv = rt.model.make_cache(max_kv_size=max_size, keep=keep)
+    got = chunked(rt, ids, 29, kv)
+    assert any(isinstance(layer, RotatingKVCache) and layer.quantized for layer in kv)
+    q, k = mx.arange(len(ids))[:, None], mx.arange(len(ids))[None, :]
+    kept = (k <= q) & ((k < keep) | (k > q - (max_size - keep)))
+    assert_close(got, reference(rt, ids, rt.model.kv_quantization, kept))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_memory_per_position_is_the_quantized_size(bits):
+    rt = quantized("chat-tiny-Q4_K_M.gguf", bits)
+    ids = rt.tokenize(TEXT)[:300]
+    kv = rt.model.make_cache()
+    chunked(rt, ids, 100, kv)
+    held = sum(kv_nbytes(layer.keys) + kv_nbytes(layer.values) for layer in kv)
+    per_position = kv_bytes_per_position(rt.config, rt.model.compute_dtype, rt.model.kv_quantization)
+    assert held == capacity(kv[0].keys) * per_position
+    # bits a value, and a scale and a bias of the compute type every 32 (chat-tiny's heads are 32 wide)
+    full = kv_bytes_per_position(rt.config, rt.model.compute_dtype)
+    assert per_position / full == pytest.approx((bits / 8 + 2 * rt.model.compute_dtype.size / 32)
+                                                / rt.model.compute_dtype.size)
+
+
+def greedy(rt, prompts: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
+    results = batch_generate(rt, prompts, max_tokens=max_tokens, batch_size=batch_size, temperature=0.0)
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("start", [0, 20])
+def test_batched_rows_decode_as_each_alone(start):
+    """Rows of different lengths in one quantized batch cache (rows joining before and after it
+    passes the start) give each row's ids alone; logits equal within float rounding, so ids equal
+    where the top two are not within a near-tie margin."""
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 8, start=start)
+    prompts = [rt.tokenize(t) for t in ("The capital of Italy is", "Once upon a time there was a",
+                                        "1, 2, 3, 4,", "The quick brown fox jumps over the lazy dog")]
+    alone = [greedy(rt, [p], 24, 1)[0] for p in prompts]
+    together = greedy(rt, prompts, 24, 3)
+    assert together == alone
+
+
+def test_quantized_rows_go_through_the_prompt_store():
+    """Finished rows are stored quantized and a later prompt starting the same way restores them."""
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4)
+    store = PromptCache(1 << 24)
+    decoder = BatchDecoder(rt.model, rt.tokenizer, 4, prompt_cache=store)
+    prompt = rt.tokenize("The capital of Italy is Rome. The capital of Japan is")
+    first = greedy(rt, [prompt], 8, 1)[0]
+    for _ in range(2):
+        row = decoder.admit(0, Request(prompt, max_tokens=8))
+        while decoder.joining:
+            decoder.prefill_chunk()
+        while decoder.rows:
+            decoder.step()
+        assert row.ids == first
+    assert row.cached_tokens == len(prompt) - 1
+    assert all(isinstance(keys, tuple) for keys, _ in store.entries[0].layers)
+
+
+def test_settings_mlx_cannot_quantize_with_are_one_line_errors():
+    model = runtime("chat-tiny-Q4_K_M.gguf").model
+    with pytest.raises(MlxLlamaError, match="--kv-bits must be 4 or 8, not 3"):
+        model.store_kv_quantized(KVQuantization(3))
+    with pytest.raises(MlxLlamaError, match="--kv-group-size 64 does not divide the model's head size 32"):
+        model.store_kv_quantized(KVQuantization(8, 64))
+    with pytest.raises(MlxLlamaError, match="--kv-group-size must be 32, 64 or 128, not 16"):
+        model.store_kv_quantized(KVQuantization(8, 16))
+    model.store_kv_quantized(KVQuantization(8))
+    assert model.kv_quantization.group_size == 32  # 64 does not divide chat-tiny's heads of 32
+    assert runtime("qwen3-tiny-Q4_K_M.gguf").model.config.head_dim % 64 == 0
+    qwen3 = quantized("qwen3-tiny-Q4_K_M.gguf", 4).model
+    assert qwen3.kv_quantization.group_size == 64
+
+
+def test_quantized_attention_matches_the_dequantized_product():
+    """The attention itself, without a model: GQA heads, a ragged boolean mask, both bit widths."""
+    from mlxllama.models.transformer import explicit_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.normal(size=shape).astype(np.float32)) for shape in
+               ((2, 6, 5, 64), (2, 2, 40, 64), (2, 2, 40, 64)))
+    mask = visible(mx.array([[30], [7]])[:, :, None] + mx.arange(5)[None, :, None], mx.arange(40)[None, None, :], 0)[:, None]
+    for bits in (8, 4):
+        quantization = KVQuantization(bits, 64)
+        stored_k, stored_v = quantization.encode(k), quantization.encode(v)
+        back_k, back_v = (mx.dequantize(*s, group_size=64, bits=bits) for s in (stored_k, stored_v))
+        got = explicit_attention(q, stored_k, stored_v, 0.125, mask, quantization)
+        want = explicit_attention(q, back_k, back_v, 0.125, mask)
+        assert float(mx.abs(got - want).max()) < 1e-5
