@@ -19,7 +19,7 @@ FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate",
 def fuse_block(block: Block) -> None:
     """Give the block `attn_qkv` and `ffn_gate_up` in place of the layers they stack, where it can."""
     for fused, parts in FUSED.items():
-        if fused in block:  # the file stored them fused (Phi-3)
+        if fused in block or parts[0] not in block:  # the file stored them fused (Phi-3), or a mixture's experts
             continue
         layer = stacked([block[p] for p in parts])
         if layer is not None:

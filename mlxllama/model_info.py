@@ -44,7 +44,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _attention_info(gguf, arch: str | None) -> dict[str, Any] | None:
-    """Heads, head size, Q/K norms and sliding windows as the model would be built (no weights
+    """Heads, head size, Q/K norms, sliding windows and experts as the model would be built (no weights
     read); None for an architecture we do not run or a file whose config is wrong (load says why)."""
     if arch not in ARCHITECTURES:
         return None
@@ -55,7 +55,9 @@ def _attention_info(gguf, arch: str | None) -> dict[str, Any] | None:
     return {"heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "qk_norm": c.qk_norm,
             "sliding_window": c.sliding_window or None,
             "sliding_layers": sum(c.sliding_layers) if c.sliding_window else 0,
-            "global_layers": [i for i, s in enumerate(c.sliding_layers) if not s] if c.sliding_window else None}
+            "global_layers": [i for i, s in enumerate(c.sliding_layers) if not s] if c.sliding_window else None,
+            "experts": c.n_experts or None, "experts_used": c.n_experts_used or None,
+            "expert_ffn": c.expert_ffn_size or None}
 
 
 def _rope_scaling_info(meta: dict, arch: str | None) -> dict[str, Any] | None:
@@ -117,6 +119,9 @@ def format_text(info: dict[str, Any]) -> str:
         if attention["sliding_window"]:
             lines.append(("sliding window", f"{attention['sliding_window']} on {attention['sliding_layers']} of"
                           f" {info['layers']} layers (global: {', '.join(map(str, attention['global_layers']))})"))
+        if attention["experts"]:
+            lines.append(("experts", f"{attention['experts_used']} of {attention['experts']} a token, FFNs of"
+                          f" {attention['expert_ffn']}"))
     tok = info["tokenizer"]
     if tok is None:
         lines.append(("tokenizer", "none"))

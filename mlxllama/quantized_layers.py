@@ -99,10 +99,30 @@ class TiedEmbedding(NativeLinear):
         return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
 
 
+class NativeExperts(nn.Module):
+    """A mixture's experts (models.transformer.Experts) whose stacked weights stay in MLX's affine
+    format, [experts, out, in * bits / 32]: each row is multiplied by its chosen experts' quantized
+    weights (MLX's gathered quantized matmul), never dequantized as a whole."""
+
+    def __init__(self, weight: AffineWeight):
+        super().__init__()
+        self.weight, self.scales, self.bits, self.qtype = weight.weight, weight.scales, weight.bits, weight.qtype
+        if weight.biases is not None:
+            self.biases = weight.biases
+
+    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+        biases = self.biases if "biases" in self else symmetric_biases(self.scales)
+        return mx.gather_qmm(x, self.weight, self.scales, biases, rhs_indices=chosen, transpose=True,
+                             group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+
+
 def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Module:
-    """The layer that takes `weight` in place of `module` (an nn.Linear or nn.Embedding)."""
+    """The layer that takes `weight` in place of `module` (an nn.Linear, nn.Embedding or the
+    experts of a mixture)."""
     if isinstance(weight, Blocks):
         return BlockEmbedding(weight)
+    if weight.weight.ndim == 3:
+        return NativeExperts(weight)
     if isinstance(module, nn.Embedding):
         return TiedEmbedding(weight, output_bias=False)
     return NativeLinear(weight, "bias" in module)

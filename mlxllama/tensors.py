@@ -55,9 +55,13 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     that is not also the output layer), else as an AffineWeight; dequantized mode, and every float
     tensor, give a plain array.
     """
-    quantized = native and len(shape) == 2 and tensor.tensor_type in AFFINE_TYPES
+    quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
     if quantized and lookup_only:
         weight = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
+    elif quantized and len(shape) == 3:  # a mixture's experts [experts, out, in]: rows of every expert in turn
+        flat = to_affine(tensor.data, tensor.tensor_type, (shape[0] * shape[1], shape[2]))
+        return flat._replace(**{part: getattr(flat, part).reshape(*shape[:2], -1)
+                                for part in ("weight", "scales", "biases") if getattr(flat, part) is not None})
     elif quantized:
         return to_affine(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
     else:

@@ -1,4 +1,4 @@
-"""Make the small Llama 3, Qwen2, Qwen3, Phi-3, Mistral and Gemma 3 fixtures and record llama.cpp's logits for them.
+"""Make the small Llama 3, Qwen2, Qwen3, Phi-3, Mistral, Gemma 3, Qwen3-MoE and Mixtral fixtures and record llama.cpp's logits for them.
 
 Each fixture is a Hugging Face `transformers` model built from a config with random weights and a
 real tokenizer cut down to its first few thousand pieces (Llama 3's and Qwen2's byte-level BPE,
@@ -57,6 +57,10 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 # Gemma 3's pattern is five sliding layers, then a global one: six layers hold one of each kind.
 GEMMA3_LAYERS, GEMMA3_WINDOW = 6, 32
 QK_NORM_GAIN = 2.0
+# The MoE fixtures' experts, experts used a token, and the gain on their experts' initial weights.
+# Routers keep transformers' initialization: near-even weights, so that renormalizing the chosen
+# experts' weights matters (more peaked routers hide it, and make near-ties that flip experts).
+MOE_EXPERTS, MOE_USED, MOE_EXPERT_GAIN = 4, 2, 2.0
 LONG_TOKENS, LONG_CONTEXT, LONG_STRIDE = 4096, 8192, 64
 # Large enough that the logits are peaked (clear argmaxes to compare), small enough to stay finite.
 INIT_STD = 0.06
@@ -106,6 +110,16 @@ FIXTURE_SPECS = {
     "gemma3-tiny-Q8_0": dict(
         vocab="llama-spm", template="gemma", ftype="Q8_0", specials=["<start_of_turn>", "<end_of_turn>"],
         bos="<s>", eos="</s>", exact_reference=True),
+    # Mixture-of-experts: Qwen3-30B-A3B's layout (`qwen3moe`: Q/K norms, a softmax router whose top-k
+    # weights are renormalized) and Mixtral's (`llama` with experts); four experts, two used. Q8_0
+    # keeps Qwen3-MoE's native weights exact (its scales are the file's float16): a K-quant's
+    # float16 scales rounding, with its Q/K norms' peaked attention, swapped experts at near-ties.
+    "qwen3moe-tiny-Q8_0": dict(
+        vocab="qwen2", template="chatml", ftype="Q8_0",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|im_end|>", exact_reference=True),
+    "mixtral-tiny-Q4_K_M": dict(
+        vocab="llama-spm", template="mistral", ftype="Q4_K_M", specials=[], bos="<s>", eos="</s>",
+        exact_reference=True),
 }
 # Vocabularies built as a SentencePiece tokenizer.model; the others as a byte-level BPE tokenizer.json.
 SPM_VOCABS = ("phi-3", "llama-spm")
@@ -132,7 +146,8 @@ PROMPTS["gemma3-tiny-Q8_0"] = {
     "chat": f"<start_of_turn>user\n{QUESTION}<end_of_turn>\n<start_of_turn>model\n",  # llama.cpp adds the BOS
     "plain": PLAIN,
 }
-PROMPTS["mistral-tiny-Q4_K_M"] = {
+PROMPTS["qwen3moe-tiny-Q8_0"] = PROMPTS["qwen2-tiny-Q8_0"]
+PROMPTS["mixtral-tiny-Q4_K_M"] = PROMPTS["mistral-tiny-Q4_K_M"] = {
     "chat": f"[INST] {QUESTION} [/INST]",  # llama.cpp adds the BOS
     "plain": PLAIN,
 }
@@ -241,8 +256,9 @@ def spm_tokenizer(spec: dict, out: Path) -> int:
 def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
     import torch
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+                              MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(SHAPE, vocab_size=vocab_size, initializer_range=INIT_STD, **token_ids)
     if name.startswith("llama3"):
@@ -261,6 +277,18 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
         config = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         model = Qwen2ForCausalLM(config)
+    elif name.startswith("qwen3moe"):
+        config = Qwen3MoeConfig(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                max_position_embeddings=40960, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_USED,
+                                moe_intermediate_size=SHAPE["intermediate_size"] // 2, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[],
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        model = Qwen3MoeForCausalLM(config)
+    elif name.startswith("mixtral"):
+        config = MixtralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=32768,
+                               sliding_window=None, num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_USED,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = MixtralForCausalLM(config)
     elif name.startswith("qwen3"):
         config = Qwen3Config(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
                              max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
@@ -302,6 +330,8 @@ def hf_model(name: str, spec: dict, vocab_size: int, token_ids: dict):
                 param.copy_(QK_NORM_GAIN - shift + 0.2 * torch.randn_like(param))
             elif "norm" in pname:
                 param.copy_(1.0 - shift + 0.2 * torch.randn_like(param))
+            elif "experts" in pname:  # so that which experts run shows in the logits well past the bars
+                param.mul_(MOE_EXPERT_GAIN)
     return model
 
 

@@ -34,9 +34,9 @@ def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
 def implemented(c) -> bool:
     """Whether the kernels compute this config's layer exactly: a Llama-style block (pre-norms,
     SwiGLU, full attention with 1/sqrt(head size), plain embeddings and logits); Q/K norms, post
-    norms, GeGLU, sliding windows and the rest go to the plain MLX step."""
+    norms, GeGLU, sliding windows, mixtures of experts and the rest go to the plain MLX step."""
     return (not c.qk_norm and not c.post_norms and c.ffn_activation == "silu" and c.embedding_scale == 1.0
-            and c.attention_scale is None and not c.final_logit_softcap and not c.sliding_window)
+            and c.attention_scale is None and not c.final_logit_softcap and not c.sliding_window and not c.n_experts)
 
 
 __all__ = ["KernelStep", "kernel_step"]

@@ -14,9 +14,10 @@ from .llama import Llama
 from .phi3 import Phi3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
+from .qwen3moe import Qwen3Moe
 from .transformer import Transformer
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (Llama(), Qwen2(), Qwen3(), Phi3(), Gemma3())}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(), Phi3(), Gemma3())}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -1,6 +1,6 @@
 """What sets one GGUF `general.architecture` apart from the others, and the defaults most share.
 
-A family is a subclass in its own file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py) registered in models/__init__.py:
+A family is a subclass in its own file (llama.py, qwen2.py, qwen3.py, qwen3moe.py, phi3.py, gemma3.py) registered in models/__init__.py:
 its RoPE convention, the metadata it reads beyond the shared keys (config.py), the tensors it
 reads and the parameters they load into, and its model class. Code outside models/ asks the
 architecture or the model, never tests an architecture's name.
@@ -66,6 +66,13 @@ class Architecture:
             if config.post_norms:
                 add(f"blk.{i}.post_attention_norm.weight", (hidden,))
                 add(f"blk.{i}.post_ffw_norm.weight", (hidden,))
+            if config.n_experts:
+                experts, width = config.n_experts, config.expert_ffn_size
+                add(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden))
+                add(f"blk.{i}.ffn_gate_exps.weight", (experts, width, hidden))
+                add(f"blk.{i}.ffn_up_exps.weight", (experts, width, hidden))
+                add(f"blk.{i}.ffn_down_exps.weight", (experts, hidden, width))
+                continue
             if config.fused_gate_up:
                 add(f"blk.{i}.ffn_up.weight", (2 * config.ffn_size, hidden), f"blk.{i}.ffn_gate_up.weight")
             else:

@@ -8,7 +8,7 @@ against the file's tensor headers, so building the model from it allocates no mo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -81,6 +81,12 @@ class ModelConfig:
     sliding_window: int = 0
     sliding_layers: tuple[bool, ...] = ()
     rope_base_local: float = 10000.0
+    # Mixture of experts (Qwen3-MoE, Mixtral): each block's FFN is n_experts gated FFNs of
+    # expert_ffn_size, of which a softmax router picks n_experts_used a token, their weights
+    # renormalized to sum to 1 (0: a dense FFN).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_size: int = 0
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window; 0: it sees every earlier position."""
@@ -178,6 +184,13 @@ def read_config(gguf: GGUFFile, architecture: Architecture, context_length: int 
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         post_norms="blk.0.post_attention_norm.weight" in tensors,
     )
+    n_experts = keys.get(f"{arch}.expert_count", int, 0)
+    if n_experts:
+        used = keys.positive(f"{arch}.expert_used_count", int)
+        if used > n_experts:
+            raise MlxLlamaError(f"{path}: {arch}.expert_used_count {used} is more than {arch}.expert_count {n_experts}")
+        config = replace(config, n_experts=n_experts, n_experts_used=used,
+                         expert_ffn_size=keys.positive(f"{arch}.expert_feed_forward_length", int, config.ffn_size))
     config = architecture.specialize(config, keys)
     check_shapes(gguf, architecture, config)
     return config

@@ -53,7 +53,13 @@ class Block(nn.Module):
             self.attn_v = nn.Linear(hidden, kv_dim, bias=config.attn_bias)
         self.attn_output = nn.Linear(config.n_heads * head_dim, hidden, bias=False)
         self.ffn_norm = RMSNorm(hidden, config.rms_eps, compute_dtype)
-        if config.fused_gate_up:
+        if config.n_experts:
+            # The router, then each expert's gate, up and down, stacked: [experts, out, in].
+            self.ffn_gate_inp = nn.Linear(hidden, config.n_experts, bias=False)
+            self.ffn_gate_exps = Experts(config.n_experts, hidden, config.expert_ffn_size)
+            self.ffn_up_exps = Experts(config.n_experts, hidden, config.expert_ffn_size)
+            self.ffn_down_exps = Experts(config.n_experts, config.expert_ffn_size, hidden)
+        elif config.fused_gate_up:
             self.ffn_gate_up = nn.Linear(hidden, 2 * config.ffn_size, bias=False)
         else:
             self.ffn_gate = nn.Linear(hidden, config.ffn_size, bias=False)
@@ -130,11 +136,42 @@ class Block(nn.Module):
         return self.post_ffw_norm(out) if "post_ffw_norm" in self else out
 
     def mlp(self, x: mx.array) -> mx.array:
+        if "ffn_gate_inp" in self:
+            return self.mixture(x)
         if "ffn_gate_up" in self:
             gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
         return self.ffn_down(self._activation(gate) * up)
+
+
+    def mixture(self, x: mx.array) -> mx.array:
+        """The mixture-of-experts FFN, as llama.cpp computes it: softmax over the router's logits
+        (float32), the top n_experts_used, their weights renormalized; the sum of those experts'
+        SwiGLU outputs, each times its weight."""
+        probs = mx.softmax(self.ffn_gate_inp(x).astype(mx.float32), axis=-1)
+        k = self.config.n_experts_used
+        chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [..., k], in no order
+        weights = mx.take_along_axis(probs, chosen, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        x = x[..., None, None, :]  # [..., 1, 1, hidden]: one row, for each of the k experts
+        h = self._activation(self.ffn_gate_exps(x, chosen)) * self.ffn_up_exps(x, chosen)  # [..., k, 1, width]
+        out = self.ffn_down_exps(h, chosen)[..., 0, :]  # [..., k, hidden]
+        return (out.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
+
+
+class Experts(nn.Module):
+    """A mixture's experts' projections, stacked: weight [experts, out, in]. Each row of x is
+    multiplied by the experts `chosen` for it only (MLX's gathered matmul), never by all of them.
+    In native mode quantized_layers.NativeExperts takes its place, its weights kept quantized."""
+
+    def __init__(self, experts: int, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = mx.zeros((experts, outputs, inputs))
+
+    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+        """x [..., k or 1, 1, in] and chosen [..., k] -> [..., k, 1, out]."""
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=chosen)
 
 
 class Transformer(nn.Module):

@@ -45,14 +45,24 @@ def test_phi3_and_qwen2_fixtures():
 def test_qwen3_and_gemma3_fixtures_show_heads_norms_and_windows():
     qwen3 = describe(find_fixture_model("qwen3-tiny-Q4_K_M.gguf"))
     assert qwen3["attention"] == {"heads": 4, "kv_heads": 2, "head_dim": 128, "qk_norm": True, "sliding_window": None,
-                                  "sliding_layers": 0, "global_layers": None}
+                                  "sliding_layers": 0, "global_layers": None, "experts": None, "experts_used": None,
+                                  "expert_ffn": None}
     gemma3 = describe(find_fixture_model("gemma3-tiny-Q8_0.gguf"))
     assert gemma3["attention"] == {"heads": 4, "kv_heads": 1, "head_dim": 64, "qk_norm": True, "sliding_window": 32,
-                                   "sliding_layers": 5, "global_layers": [5]}
+                                   "sliding_layers": 5, "global_layers": [5], "experts": None, "experts_used": None,
+                                   "expert_ffn": None}
     assert gemma3["tokenizer"]["eot"] == {"id": 3001, "text": "<end_of_turn>"} and gemma3["tokenizer"]["stop_ids"] == [2, 3001]
     text = format_text(gemma3)
     assert "attention      4 heads (1 KV) of 64, Q/K norms\n" in text
     assert "sliding window 32 on 5 of 6 layers (global: 5)\n" in text
+
+
+def test_mixture_fixtures_show_their_experts():
+    qwen3moe = describe(find_fixture_model("qwen3moe-tiny-Q8_0.gguf"))
+    assert (qwen3moe["architecture"], qwen3moe["attention"]["experts"], qwen3moe["attention"]["experts_used"],
+            qwen3moe["attention"]["expert_ffn"]) == ("qwen3moe", 4, 2, 256)
+    mixtral = describe(find_fixture_model("mixtral-tiny-Q4_K_M.gguf"))
+    assert "experts        2 of 4 a token, FFNs of 512\n" in format_text(mixtral)
 
 
 def test_cli_text_and_json():

@@ -1,13 +1,13 @@
-"""Llama 3, Qwen2 (also with YaRN), Qwen3, Phi-3, Mistral and Gemma 3 against llama.cpp: tokenization, logits (KL),
+"""Llama 3, Qwen2 (also with YaRN), Qwen3, Phi-3, Mistral, Gemma 3, Qwen3-MoE and Mixtral against llama.cpp: tokenization, logits (KL),
 argmax and greedy ids, on short prompts and at every 64th position of a prompt of over 4,096 tokens.
 
-The fixtures (tests/fixtures/{llama3,qwen2,qwen3,phi3,mistral,gemma3}-tiny-*.gguf) are random-weight transformers models
+The fixtures (tests/fixtures/{llama3,qwen2,qwen3,phi3,mistral,gemma3,qwen3moe,mixtral}-tiny-*.gguf) are random-weight transformers models
 with real, cut-down tokenizers, converted and quantized by llama.cpp's own tools; the references
 (tests/reference/arch/*.npz) hold llama.cpp's ids and logits for their prompts. Both were made by
 scripts/make_arch_fixtures.py. The same bars as test_llama_parity.py apply. test_longrope.py checks
 phi3-longrope-tiny's references at other context sizes.
 
-Qwen3's and Gemma 3's references are llama.cpp on a float32 copy of the fixture's dequantized
+Qwen3's, Gemma 3's and the mixtures' references are llama.cpp on a float32 copy of the fixture's dequantized
 weights (the exact answer for those weights; llama.cpp's quantized path rounds activations to 8
 bits, which with their peaked attention moves its logits by a KL of 1e-3 or more), so their bar is
 tighter: the largest KL as well as the mean, under 1e-3 with --dequantize. Natively a K-quant's
@@ -39,7 +39,7 @@ REFERENCE_CONTEXT = 512
 # The long prompt's references were recorded at this n_ctx (scripts/make_arch_fixtures.py).
 LONG_CONTEXT = 8192
 LONG_REFERENCES = [n for n in REFERENCES if not n.startswith("phi3-longrope")]  # trained for 4,096 only
-EXACT = ("qwen3", "gemma3")  # references from llama.cpp on the dequantized weights
+EXACT = ("qwen3", "gemma3", "mixtral")  # references from llama.cpp on the dequantized weights (qwen3moe too)
 NATIVE_MAX_KL = 5e-3
 
 
@@ -54,7 +54,8 @@ def reference(name: str) -> dict:
 
 
 def test_every_architecture_has_a_reference():
-    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "qwen3", "phi3", "mistral", "gemma3"}
+    assert {name.split("-")[0] for name in REFERENCES} == {"llama3", "qwen2", "qwen3", "phi3", "mistral", "gemma3",
+                                                           "qwen3moe", "mixtral"}
 
 
 @pytest.mark.parametrize("name", REFERENCES)
@@ -179,6 +180,12 @@ def test_each_fixture_exercises_its_architecture():
     yarn = model(next(n for n in REFERENCES if n.startswith("qwen2-yarn"))).config
     assert yarn.rope_scale == 1.0 and abs(yarn.rope_attn_factor - (1 + 0.1 * np.log(4))) < 1e-6
     assert yarn.rope_freq_factors[0] == 1.0 and yarn.rope_freq_factors[-1] == 4.0
+    # Mixtures of experts: Qwen3-MoE (Qwen3's attention) and Mixtral (`llama`), four experts, two used
+    qwen3moe, mixtral = (model(next(n for n in REFERENCES if n.startswith(a))).config for a in ("qwen3moe", "mixtral"))
+    assert (qwen3moe.architecture, qwen3moe.qk_norm, qwen3moe.head_dim, qwen3moe.n_experts, qwen3moe.n_experts_used,
+            qwen3moe.expert_ffn_size) == ("qwen3moe", True, 128, 4, 2, 256)
+    assert (mixtral.architecture, mixtral.rope_traditional, mixtral.n_experts, mixtral.n_experts_used,
+            mixtral.expert_ffn_size) == ("llama", True, 4, 2, 512)
 
 
 @pytest.mark.parametrize("wrong", ["no YaRN", "interpolation only", "no scale"])
@@ -197,4 +204,35 @@ def test_a_wrong_yarn_fails_the_parity_bar(wrong, monkeypatch):
     monkeypatch.setattr(config, "yarn_factors", changed)
     name = next(n for n in REFERENCES if n.startswith("qwen2-yarn"))
     m, ref = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=REFERENCE_CONTEXT), reference(name)
+    assert kl_per_position(ref, "plain", m.logits(ref["plain/ids"].tolist())).mean() > 3 * MAX_MEAN_KL
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("wrong", ["not renormalized", "one expert", "every expert"])
+def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
+    """Expert weights left as the softmax gave them, or one expert, or all of them, a token: the
+    mixture fixtures' logits leave llama.cpp's by more than three times the bar."""
+    from mlxllama.models.transformer import Block
+
+    real = Block.mixture
+
+    def changed(block, x):
+        c = block.config
+        if wrong == "not renormalized":
+            probs = mx.softmax(block.ffn_gate_inp(x).astype(mx.float32), axis=-1)
+            chosen = mx.argpartition(-probs, kth=c.n_experts_used - 1, axis=-1)[..., : c.n_experts_used]
+            weights = mx.take_along_axis(probs, chosen, axis=-1)
+            h = x[..., None, None, :]
+            h = block._activation(block.ffn_gate_exps(h, chosen)) * block.ffn_up_exps(h, chosen)
+            return (block.ffn_down_exps(h, chosen)[..., 0, :] * weights[..., None]).sum(axis=-2)
+        used = 1 if wrong == "one expert" else c.n_experts
+        object.__setattr__(c, "n_experts_used", used)
+        try:
+            return real(block, x)
+        finally:
+            object.__setattr__(c, "n_experts_used", 2)
+
+    monkeypatch.setattr(Block, "mixture", changed)
+    fixture = next(n for n in REFERENCES if n.startswith(name))
+    m, ref = mlxllama.load(find_fixture_model(f"{fixture}.gguf"), context_length=REFERENCE_CONTEXT), reference(fixture)
     assert kl_per_position(ref, "plain", m.logits(ref["plain/ids"].tolist())).mean() > 3 * MAX_MEAN_KL

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -12,19 +13,21 @@ import mlxllama
 from mlxllama import tensors as tensor_conversion
 from mlxllama.errors import MlxLlamaError
 from mlxllama.gguf_file import open_gguf, tensor_shape
-from mlxllama.models import ARCHITECTURES, architecture_of, gemma3, llama, phi3, qwen2, qwen3
+from mlxllama.models import ARCHITECTURES, architecture_of, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 from mlxllama.quantized_layers import NativeLinear
 
 from conftest import PACKAGE_DATA, find_fixture_model
 
 FAMILY_FIXTURES = {"llama": "llama3-tiny-Q6_K.gguf", "qwen2": "qwen2-tiny-Q8_0.gguf", "phi3": "phi3-tiny-Q5_K_M.gguf",
-                   "qwen3": "qwen3-tiny-Q4_K_M.gguf", "gemma3": "gemma3-tiny-Q8_0.gguf"}
+                   "qwen3": "qwen3-tiny-Q4_K_M.gguf", "gemma3": "gemma3-tiny-Q8_0.gguf",
+                   "qwen3moe": "qwen3moe-tiny-Q8_0.gguf"}
 ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
 
 
 def test_registry_maps_each_gguf_architecture_to_its_family_file():
     assert {name: type(arch) for name, arch in ARCHITECTURES.items()} == {
-        "llama": llama.Llama, "qwen2": qwen2.Qwen2, "qwen3": qwen3.Qwen3, "phi3": phi3.Phi3, "gemma3": gemma3.Gemma3}
+        "llama": llama.Llama, "qwen2": qwen2.Qwen2, "qwen3": qwen3.Qwen3, "qwen3moe": qwen3moe.Qwen3Moe,
+        "phi3": phi3.Phi3, "gemma3": gemma3.Gemma3}
     # The RoPE convention comes from the family: llama.cpp permutes Q/K of `llama` only.
     assert [ARCHITECTURES[n].rope_traditional for n in ("llama", "qwen2", "qwen3", "phi3", "gemma3")] == [
         True, False, False, False, False]
@@ -49,7 +52,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(MlxLlamaError, match=r"unsupported architecture 'gemma9' \(supported: llama, qwen2, qwen3, phi3, gemma3\)$"):
+    with pytest.raises(MlxLlamaError, match=r"unsupported architecture 'gemma9' \(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3\)$"):
         mlxllama.load(path)
 
 
@@ -136,6 +139,22 @@ def test_the_cuda_kernels_take_only_the_blocks_they_compute():
     from mlxllama.cuda import implemented
 
     taken = {name: implemented(mlxllama.load(find_fixture_model(f"{name}.gguf")).config)
-             for name in ("llama3-tiny-Q6_K", "qwen2-tiny-Q8_0", "phi3-tiny-Q5_K_M", "qwen3-tiny-Q4_K_M", "gemma3-tiny-Q8_0")}
+             for name in ("llama3-tiny-Q6_K", "qwen2-tiny-Q8_0", "phi3-tiny-Q5_K_M", "qwen3-tiny-Q4_K_M", "gemma3-tiny-Q8_0",
+                          "mixtral-tiny-Q4_K_M")}
     assert taken == {"llama3-tiny-Q6_K": True, "qwen2-tiny-Q8_0": True, "phi3-tiny-Q5_K_M": True,
-                     "qwen3-tiny-Q4_K_M": False, "gemma3-tiny-Q8_0": False}
+                     "qwen3-tiny-Q4_K_M": False, "gemma3-tiny-Q8_0": False, "mixtral-tiny-Q4_K_M": False}
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny-Q8_0.gguf", "mixtral-tiny-Q4_K_M.gguf"])
+def test_a_mixture_keeps_its_experts_quantized_and_batches(name):
+    """Natively the experts stay quantized as stacked tensors (never one float copy of them all);
+    rows of a batch each take their own experts, and greedy ids equal each prompt run alone."""
+    from mlxllama.quantized_layers import NativeExperts
+
+    rt = mlxllama.load(find_fixture_model(name))
+    block = rt.model.blk[0]
+    assert all(isinstance(block[p], NativeExperts) for p in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    assert block.ffn_gate_exps.weight.shape[0] == rt.config.n_experts and block.ffn_gate_exps.weight.dtype == mx.uint32
+    prompts = ["The capital of Italy is", "Once upon a time", "1, 2, 3"]
+    batched = mlxllama.batch_generate(rt, prompts, max_tokens=12, batch_size=3)
+    assert [r.token_ids for r in batched] == [rt.generate(p, 12).token_ids for p in prompts]
