@@ -55,14 +55,10 @@ def perplexity(*args) -> float:
     return json.loads(result.stdout)["ppl"]
 
 
-def test_perplexity_rises_little_at_8_bits_and_more_at_4():
+def test_perplexity_rises_little_at_8_bits():
     """chat-tiny at ctx 512 over its corpus (two chunks, 510 tokens scored): measured +0.38% at 8
-    bits and +7.9% at 4 (its heads of 32 values and its keys' outliers quantize poorly: keys alone
-    at 4 bits cost +12%, values alone nothing). A cache that did not quantize would not rise at all."""
-    base = perplexity()
-    eight, four = perplexity("--kv-bits", "8"), perplexity("--kv-bits", "4")
-    assert 1.0005 < eight / base < 1.005
-    assert 1.03 < four / base < 1.10
+    bits (+7.9% at 4: docs/benchmarks.md). A cache that did not quantize would not rise at all."""
+    assert 1.0005 < perplexity("--kv-bits", "8") / perplexity() < 1.005
 
 
 def test_a_prompt_cache_file_keeps_the_quantized_cache_and_says_so(tmp_path):

@@ -114,7 +114,10 @@ def prefill_logits(model, ids: list[int], positions) -> np.ndarray:
     return np.array(model.head(mx.concatenate(hidden)))
 
 
-LONG_CASES = [(n, False) for n in LONG_REFERENCES] + [(n, True) for n in LONG_REFERENCES if n.startswith(EXACT)]
+# With --dequantize too where the reference is exact, but for the mixtures: Qwen3-MoE's Q8_0 is exact
+# natively, and the short prompts test both modes of each.
+LONG_CASES = [(n, False) for n in LONG_REFERENCES] + [(n, True) for n in LONG_REFERENCES
+                                                      if n.startswith(EXACT) and not n.startswith(("qwen3moe", "mixtral"))]
 
 
 @pytest.mark.parametrize("name,dequantize", LONG_CASES, ids=lambda x: {False: "native", True: "dequantize"}.get(x, x))

@@ -315,7 +315,7 @@ def test_unsupported_architecture(tmp_path, fixture_bytes):
     at = parse(fixture_bytes).kvs["general.architecture"].value_at
     assert fixture_bytes[at + 8 : at + 13] == b"llama"
     path = write(tmp_path, fixture_bytes[: at + 8] + b"gpt99" + fixture_bytes[at + 13 :])
-    assert load_error(path) == f"{path}: unsupported architecture 'gpt99' (supported: llama, qwen2, qwen3, phi3, gemma3)"
+    assert load_error(path) == f"{path}: unsupported architecture 'gpt99' (supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3)"
 
 
 def test_missing_metadata_key(tmp_path, fixture_bytes):

@@ -103,10 +103,10 @@ def assert_close(got: mx.array, want: mx.array) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("chunk", [1, 37, 512])
+@pytest.mark.parametrize("chunk", [1, 37])
 def test_chunked_passes_equal_the_round_trip_pass(name, bits, chunk):
     rt = quantized(name, bits)
-    ids = rt.tokenize(TEXT)[: 90 if chunk == 1 else 400]
+    ids = rt.tokenize(TEXT)[: 90 if chunk == 1 else 300]
     kv = rt.model.make_cache()
     got = chunked(rt, ids, chunk, kv)
     assert all(layer.quantized and layer.offset == len(ids) for layer in kv)
