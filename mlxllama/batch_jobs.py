@@ -122,7 +122,7 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     job = Job(job_id, [], [])
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
-        check_fits(len(prompt.ids), len(prompt.ids) if settings.max_kv_size else runtime.config.context_length)
+        check_fits(len(prompt.ids), None if settings.max_kv_size else runtime.config.context_length)
         if settings.prompt_cache is not None:
             settings.prompt_cache.check_starts(prompt.ids)
         job.prompts.append(prompt)

@@ -160,6 +160,7 @@ class BatchDecoder:
                  prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
+        check_kv_size(max_kv_size, keep)
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
         # Where prompts start from keys and values computed before, and where finished rows leave theirs.
         self.prompt_cache = prompt_cache
@@ -177,7 +178,7 @@ class BatchDecoder:
 
     def admit(self, index, request: Request) -> Row:
         """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
-        check_fits(len(request.ids), self.context or len(request.ids))
+        check_fits(len(request.ids), self.context)
         row = Row(index, request, self.tokenizer, self.context)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
@@ -234,8 +235,10 @@ class BatchDecoder:
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished and self.prompt_cache is not None:
             for i, row in enumerate(self.rows):
+                if not done[i]:
+                    continue
                 held = list(row.request.ids) + row.ids[:-1]  # the prompt and every generated token but the last
-                if done[i] and all(c.in_order(len(held)) for c in self.cache):
+                if all(c.in_order(len(held)) for c in self.cache):
                     self.prompt_cache.store(held, [c.row(i) for c in self.cache])
         if finished:
             self.drop(finished)
@@ -264,7 +267,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
     """
     decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache, max_kv_size=max_kv_size, keep=keep)
     for request in requests:
-        check_fits(len(request.ids), decoder.context or len(request.ids))
+        check_fits(len(request.ids), decoder.context)
     waiting = deque(enumerate(requests))
     while decoder.rows or waiting:
         finished = []
@@ -301,7 +304,6 @@ def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], ma
         return Request(ids, max_tokens, params, tuple(stop), constraint=constraint)
 
     results: list[GenerationResult | None] = [None] * len(prompts)
-    check_kv_size(max_kv_size, keep)
     for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size,
                                    max_kv_size=max_kv_size, keep=keep):
         for index, result in finished:

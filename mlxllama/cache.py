@@ -54,6 +54,11 @@ class KVQuantization:
             raise MlxLlamaError(f"--kv-group-size {group_size} does not divide the model's head size {head_dim}")
         return replace(self, group_size=group_size)
 
+    def applies(self, quantized: bool, held: int) -> bool:
+        """Whether a cache whose buffers are (or are not yet) `quantized` stores quantized once it
+        holds `held` positions: from the first that passes `start` on."""
+        return quantized or held > self.start
+
     def encode(self, x: mx.array) -> tuple:
         return tuple(mx.quantize(x, self.group_size, self.bits))
 
@@ -158,7 +163,7 @@ class KVCache:
         """New keys and values as the buffers will store them once they hold `held` positions:
         quantized past the quantization's start, when the buffers held so far are quantized too."""
         q = self.quantization
-        if q is None or (not self.quantized and held <= q.start):
+        if q is None or not q.applies(self.quantized, held):
             return keys, values
         if not self.quantized and self.keys is not None:
             self.keys, self.values = q.encode(self.keys), q.encode(self.values)
@@ -466,6 +471,23 @@ class BatchKVCache:
     def quantized(self) -> bool:
         return isinstance(self.keys, tuple)
 
+    def _stored(self, keys: mx.array, values: mx.array, end: int) -> tuple[Buffer, Buffer]:
+        """New keys and values as the rows store them once the longest holds `end` positions
+        (KVQuantization.applies), the rows held so far quantized first when that starts now."""
+        q = self.quantization
+        if q is None or not q.applies(self.quantized, end):
+            return keys, values
+        self._quantize()
+        return q.encode(keys), q.encode(values)
+
+    def _joined(self, keys: Buffer, values: Buffer, quantized: bool) -> tuple[Buffer, Buffer]:
+        """A joining row's keys and values as the rows store them: once either has passed the
+        quantization's start, both are stored quantized."""
+        if quantized == self.quantized:
+            return keys, values
+        self._quantize()
+        return (keys, values) if quantized else (self.quantization.encode(keys), self.quantization.encode(values))
+
     def _quantize(self) -> None:
         if not self.quantized:
             self.keys, self.values = self.quantization.encode(self.keys), self.quantization.encode(self.values)
@@ -481,9 +503,7 @@ class BatchKVCache:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
-        if self.quantization is not None and (self.quantized or end > self.quantization.start):
-            self._quantize()
-            keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+        keys, values = self._stored(keys, values, end)
         self.make_room(new)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
@@ -498,10 +518,7 @@ class BatchKVCache:
         if self.keys is None:
             self.keys = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), keys)
             self.values = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), values)
-        if self.quantized != cache.quantized:  # one has passed the quantization's start: both are stored quantized
-            self._quantize()
-            if not cache.quantized:
-                keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+        keys, values = self._joined(keys, values, cache.quantized)
         self._reserve(length)
         pad = [(0, 0), (0, 0), (0, capacity(self.keys) - length), (0, 0)]
         self.keys = kv_map(lambda a, b: mx.concatenate([a, mx.pad(b, pad)]), self.keys, keys)
@@ -575,9 +592,7 @@ class RingKVCache(BatchKVCache):
         batch, _, new, _ = keys.shape
         if new != 1:
             raise ValueError("a ring cache takes one token a row at a time")
-        if self.quantization is not None and (self.quantized or max(self.lengths) + 1 > self.quantization.start):
-            self._quantize()
-            keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+        keys, values = self._stored(keys, values, max(self.lengths) + 1)
         slots = mx.array(self._slot(np.array(self.lengths))).reshape(batch, 1, 1, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
         self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
@@ -600,10 +615,7 @@ class RingKVCache(BatchKVCache):
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
-            if self.quantized != cache.quantized:  # one has passed the quantization's start: both are stored quantized
-                self._quantize()
-                if not cache.quantized:
-                    keys, values = self.quantization.encode(keys), self.quantization.encode(values)
+            keys, values = self._joined(keys, values, cache.quantized)
             self.keys = kv_map(lambda a, b: mx.concatenate([a, b]), self.keys, keys)
             self.values = kv_map(lambda a, b: mx.concatenate([a, b]), self.values, values)
         self.lengths, self._offset = self.lengths + [length], None

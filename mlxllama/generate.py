@@ -30,11 +30,12 @@ def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.
     return model.head(hidden[:, -1:])[0, -1]
 
 
-def check_fits(n_tokens: int, context_length: int, hint: str = "") -> None:
-    """A prompt of n_tokens (what the cache already holds included) must be non-empty and fit the context."""
+def check_fits(n_tokens: int, context_length: int | None, hint: str = "") -> None:
+    """A prompt of n_tokens (what the cache already holds included) must be non-empty and fit the
+    context (None: a cache that rotates, which any length fits)."""
     if n_tokens == 0:
         raise MlxLlamaError("the prompt is empty: generation needs at least one token to feed")
-    if n_tokens > context_length:
+    if context_length is not None and n_tokens > context_length:
         raise MlxLlamaError(f"prompt is {count(n_tokens, 'token')}, more than the model's context of {context_length}{hint}")
 
 
@@ -43,7 +44,7 @@ def generation_room(model: Transformer, cache: list[KVCache], new_ids: Sequence[
     the model's context (checked to fit, with new_ids, first). A rotating cache holds a bounded
     window whatever the positions, so with one they may pass the context."""
     if rotates(cache):
-        check_fits(len(new_ids), len(new_ids))  # only that there is something to feed
+        check_fits(len(new_ids), None)
         return max_tokens
     context_length = model.config.context_length
     check_fits(len(new_ids), context_length)

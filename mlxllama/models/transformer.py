@@ -13,8 +13,8 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_map, make_batch_cache,
-                     make_cache, quantizes, visible)
+from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_arrays, kv_map,
+                     make_batch_cache, make_cache, quantizes, visible)
 from .config import ModelConfig
 
 
@@ -268,7 +268,7 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     takes it (None, "causal", or booleans broadcasting to [batch, heads, length, keys]). Scores
     and softmax in float32, but for a quantized cache's scores, which are in q's type."""
     batch, heads, length, head_dim = q.shape
-    kv_heads, keys = (k[0] if quantization else k).shape[1:3]
+    kv_heads, keys = kv_arrays(k)[0].shape[1:3]
     groups = heads // kv_heads
     # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
     q = q.reshape(batch, kv_heads, groups, length, head_dim)

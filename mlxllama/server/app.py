@@ -73,7 +73,7 @@ class Api:
                              "active_memory_bytes": mx.get_active_memory(),
                              "prompt_cache_bytes": cache.nbytes if cache else 0,
                              "kv_cache": kv_label(self.runtime.model.kv_quantization),
-                             "max_kv_size": self.engine.max_kv_size})
+                             "max_kv_size": self.engine.decoder.max_kv_size})
 
     async def models(self, request: HttpRequest) -> Response:
         return await self._guarded(request, lambda body: JSONResponse({"object": "list", "data": [
@@ -224,7 +224,7 @@ class Api:
             except MlxLlamaError as e:
                 raise ApiError(f"response_format: {e}", "response_format") from None
         try:
-            check_fits(len(prompt.ids), self.engine.decoder.context or len(prompt.ids))
+            check_fits(len(prompt.ids), self.engine.decoder.context)
         except MlxLlamaError as e:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..batching import BatchDecoder, Request, Row
-from ..cache import GROWTH_STEP, check_kv_size, kv_bytes_per_position
+from ..cache import GROWTH_STEP, kv_bytes_per_position
 from ..generate import PREFILL_CHUNK
 from ..prompt_cache import PromptCache
 
@@ -62,12 +62,10 @@ class Engine:
     def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
                  kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
                  max_kv_size: int = 0, keep: int = 4):
-        check_kv_size(max_kv_size, keep)
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, self.prompt_cache,
                                     max_kv_size, keep)
         self.context_length = runtime.config.context_length
-        self.max_kv_size = max_kv_size  # with it, every row's cache is a ring of this many positions
         model = runtime.model
         self.slot_bytes = kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization)
         self.kv_budget = kv_budget if kv_budget is not None else default_kv_budget()
@@ -90,9 +88,9 @@ class Engine:
 
     def kv_bytes(self, rows: int, slots: int) -> int:
         """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows; a
-        ring's rows hold max_kv_size positions, however many they need)."""
-        if self.max_kv_size:
-            return rows * self.max_kv_size * self.slot_bytes
+        ring's rows hold the decoder's max_kv_size positions, however many they need)."""
+        if self.decoder.max_kv_size:
+            return rows * self.decoder.max_kv_size * self.slot_bytes
         return rows * -(-min(slots, self.context_length) // GROWTH_STEP) * GROWTH_STEP * self.slot_bytes
 
     def need(self, request: Request) -> int:
