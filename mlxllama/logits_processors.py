@@ -3,6 +3,7 @@ presence and frequency penalties, and a bias on chosen tokens."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import mlx.core as mx
@@ -45,6 +46,15 @@ class GeneratedCounts:
         if self.counts is None:
             self.counts = mx.zeros(logits.shape[-1], mx.float32)
         return logits - frequency * self.counts - presence * (self.counts > 0)
+
+
+def penalize_counted(logits: mx.array, counts: Counter, presence: float, frequency: float) -> mx.array:
+    """GeneratedCounts.penalize's rule for tokens counted on the host (speculative decoding counts
+    each drafted position's prefix there)."""
+    if not counts:
+        return logits
+    ids = mx.array(list(counts), mx.uint32)
+    return logits.at[ids].add(-frequency * mx.array(list(counts.values()), logits.dtype) - presence)
 
 
 def apply_logit_bias(logits: mx.array, bias: tuple[tuple[int, float], ...]) -> mx.array:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from .errors import MlxLlamaError
-from .logits_processors import GeneratedCounts, apply_logit_bias, apply_repeat_penalty
+from .logits_processors import GeneratedCounts, apply_logit_bias, apply_repeat_penalty, penalize_counted
 
 
 class InvalidSampling(MlxLlamaError):
@@ -99,11 +99,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
     def sample(logits: mx.array, history: Sequence[int], pending: mx.array | None = None,
                allowed: mx.array | None = None) -> mx.array:
         nonlocal key
-        logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n, pending)
-        if generated is not None:
-            logits = generated.penalize(logits, params.presence_penalty, params.frequency_penalty)
-        if params.logit_bias:
-            logits = apply_logit_bias(logits, params.logit_bias)
+        logits = process_logits(logits, params, history, generated, pending)
         if allowed is not None:
             logits = mx.where(allowed, logits, ruled_out.astype(logits.dtype))
         if params.temperature <= 0:
@@ -120,6 +116,22 @@ def make_sampler(params: SamplingParams) -> Sampler:
         return token
 
     return sample
+
+
+def process_logits(logits: mx.array, params: SamplingParams, history: Sequence[int], generated=None,
+                   pending: mx.array | None = None) -> mx.array:
+    """Plain decoding's logits processors, in its order: the repeat penalty over `history` (and
+    `pending`), the presence and frequency penalties over `generated` (GeneratedCounts, or a
+    Counter of the ids generated so far; None: no penalty), the logit bias. Speculative decoding
+    applies the same at every drafted position."""
+    logits = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n, pending)
+    presence, frequency = params.presence_penalty, params.frequency_penalty
+    if generated is not None and (presence or frequency):
+        logits = (generated.penalize(logits, presence, frequency) if isinstance(generated, GeneratedCounts)
+                  else penalize_counted(logits, generated, presence, frequency))
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+    return logits
 
 
 def filter_logits(logits: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:

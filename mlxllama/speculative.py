@@ -28,22 +28,8 @@ import mlx.core as mx
 
 from .errors import MlxLlamaError
 from .generate import generation_room, prefill
-from .logits_processors import apply_logit_bias, apply_repeat_penalty
 from .prompt_cache import common_prefix
-from .sampling import SamplingParams, filter_logits
-
-
-def processed(logits: mx.array, params: SamplingParams, context: Sequence[int], generated: Counter) -> mx.array:
-    """Plain decoding's logits processors after `context` (repeat, presence and frequency
-    penalties, logit bias), as sampling.make_sampler applies them."""
-    logits = apply_repeat_penalty(logits, context, params.repeat_penalty, params.repeat_last_n)
-    if generated and (params.presence_penalty or params.frequency_penalty):
-        ids = mx.array(list(generated), mx.uint32)
-        counts = mx.array(list(generated.values()), logits.dtype)
-        logits = logits.at[ids].add(-params.frequency_penalty * counts - params.presence_penalty)
-    if params.logit_bias:
-        logits = apply_logit_bias(logits, params.logit_bias)
-    return logits
+from .sampling import SamplingParams, filter_logits, process_logits
 
 
 def distribution(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -72,7 +58,7 @@ class Chooser:
 
     def pick(self, logits: mx.array, context: Sequence[int], generated: Counter) -> int:
         """The model's token after `context` from its logits there."""
-        logits = processed(logits, self.params, context, generated)
+        logits = process_logits(logits, self.params, context, generated)
         if self.params.temperature <= 0:
             return int(mx.argmax(logits).item())
         return self.draw(distribution(logits, self.params))
@@ -82,7 +68,7 @@ class Chooser:
         """(kept, token) for a draft at a position: greedy keeps it where it is the model's pick;
         sampled keeps it with probability min(1, p(d) / q(d)) (q None: all on the draft), else
         draws from max(0, p - q) normalized."""
-        logits = processed(logits, self.params, context, generated)
+        logits = process_logits(logits, self.params, context, generated)
         if self.params.temperature <= 0:
             token = int(mx.argmax(logits).item())
             return token == draft, token
@@ -140,7 +126,7 @@ class DraftModel:
         logits = prefill(self.model, list(context[shared:]), self.cache)
         drafts, qs = [], []
         while True:
-            logits = processed(logits, chooser.params, list(context) + drafts, Counter())
+            logits = process_logits(logits, chooser.params, list(context) + drafts, Counter())
             if chooser.params.temperature <= 0:
                 drafts.append(int(mx.argmax(logits).item()))
                 qs.append(None)
