@@ -9,6 +9,7 @@ unfinished earlier job are lost if the run is killed, and recomputed when it is 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, 
 
 from .batching import Request, generate_batch
 from .constraints import Constraint
+from .distributed import gather, world
 from .errors import MlxLlamaError, parse_json_object
 from .files import open_for_append
 from .generate import GenerationResult, check_fits
@@ -329,11 +331,47 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
                 break
 
 
+# Under --data-parallel, the batches each rank runs between two exchanges of results: more waits
+# less on the slowest rank, fewer loses less to a kill (the round's results are recomputed).
+ROUND_BATCHES = 4
+
+
+def run_jobs_spread(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: BatchStats, progress: Progress,
+                    prompt_cache: SavedPrefix | None = None, max_kv_size: int = 0, keep: int = 0) -> None:
+    """--data-parallel under mlx.launch: every rank holds a whole model and runs every size-th job of
+    each round; rank 0 writes the round's records in job order (the other ranks' `out` goes nowhere),
+    so the file is the single process's, and resumes as it does."""
+    w = world()
+    per_round = w.size * batch_size * ROUND_BATCHES
+    start = time.perf_counter()
+    with progress(len(jobs)) as written:
+        for first in range(0, len(jobs), per_round):
+            round_jobs = jobs[first : first + per_round]
+            mine, part = io.StringIO(), BatchStats()
+            run_jobs(runtime, round_jobs[w.rank :: w.size], mine, batch_size, part, no_progress, prompt_cache,
+                     max_kv_size, keep)
+            parts = gather({"lines": mine.getvalue().splitlines(), "prompt_tokens": part.prompt_tokens,
+                            "generated_tokens": part.generated_tokens})
+            for position in range(len(round_jobs)):
+                out.write(parts[position % w.size]["lines"][position // w.size] + "\n")
+                written()
+            out.flush()
+            stats.prompt_tokens += sum(p["prompt_tokens"] for p in parts)
+            stats.generated_tokens += sum(p["generated_tokens"] for p in parts)
+            stats.done, stats.seconds = first + len(round_jobs), time.perf_counter() - start
+
+
+@contextmanager
+def no_progress(jobs: int) -> Iterator[Callable[[], None]]:
+    yield lambda: None
+
+
 def run_batch(runtime, lines: Iterable[str], source: str, out: TextIO, done: set[str], settings: BatchSettings,
               report: Callable[[str], None], progress: Progress, text_input: bool = False,
-              batch_size: int = 8) -> BatchStats:
+              batch_size: int = 8, data_parallel: bool = False) -> BatchStats:
     """Run the prompts of an input file and append their results to `out` (results_output's),
-    skipping the ids in `done`.
+    skipping the ids in `done`; `data_parallel` spreads them over the ranks of mlx.launch
+    (run_jobs_spread).
 
     A bad line is passed to `report` with its line number, and skipped; the others run. Ctrl-C
     stops the run after the current step (`interrupted` in the stats): the results written are
@@ -344,5 +382,6 @@ def run_batch(runtime, lines: Iterable[str], source: str, out: TextIO, done: set
     except UnicodeDecodeError as e:
         raise MlxLlamaError(f"{source}: not UTF-8 text (byte {e.start} of a line)")
     stats = BatchStats(prompts=len(jobs), already_done=already_done, errors=errors, batch_size=batch_size)
-    run_jobs(runtime, jobs, out, batch_size, stats, progress, settings.prompt_cache, settings.max_kv_size, settings.keep)
+    run = run_jobs_spread if data_parallel else run_jobs
+    run(runtime, jobs, out, batch_size, stats, progress, settings.prompt_cache, settings.max_kv_size, settings.keep)
     return stats

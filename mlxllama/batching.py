@@ -75,9 +75,9 @@ def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> list[To
 class Row:
     """A sequence being generated: its sampler, ids so far, text and timings."""
 
-    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None):
+    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None, group=None):
         self.index, self.request = index, request
-        self.sampler = make_sampler(request.params)
+        self.sampler = make_sampler(request.params, group)  # group: a split model's ranks (make_sampler)
         self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
         self.context = list(request.ids)  # what the repeat penalty looks back on
         self.ids: list[int] = []
@@ -179,7 +179,7 @@ class BatchDecoder:
     def admit(self, index, request: Request) -> Row:
         """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
         check_fits(len(request.ids), self.context)
-        row = Row(index, request, self.tokenizer, self.context)
+        row = Row(index, request, self.tokenizer, self.context, self.model.sampling_group)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)

@@ -18,9 +18,11 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .cache import KVQuantization, kv_bytes_per_position, kv_label
 from .constraints import Constraint, Guide
+from .distributed import gather
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, generate_tokens
 from .gguf_file import open_gguf
@@ -63,6 +65,10 @@ class BenchReport:
     kv_bytes_per_position: int = 0  # a sequence's keys and values of every layer for one position
     tests: list[TestResult] = field(default_factory=list)
     speculation: list[dict] = field(default_factory=list)  # drafted and accepted, a speculative run each
+    # Under mlx.launch: how the model is split ("tensor x2", "pipeline x2") and each rank's memory:
+    # its weights (layer_bytes of the blocks, replicated_bytes of the rest) and its peak.
+    parallel: str = ""
+    ranks: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -141,7 +147,7 @@ def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | 
     if speculation is not None:
         tokens = speculation(runtime.model, runtime.new_cache(), ids, n_gen + 1, stop_ids, ())
     else:
-        tokens = generate_tokens(runtime.model, runtime.new_cache(), ids, make_sampler(SamplingParams()),
+        tokens = generate_tokens(runtime.model, runtime.new_cache(), ids, make_sampler(SamplingParams(), runtime.model.sampling_group),
                                  n_gen + 1, stop_ids, guide=guide)
     next(tokens)
     start, count = time.perf_counter(), 0
@@ -154,20 +160,21 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None,
         constraint: Constraint | None = None, draft=None, draft_tokens: int = 4,
         draft_prompt: str | None = None, depths: tuple[int, ...] = (0,),
-        kv_quantization: KVQuantization | None = None) -> BenchReport:
+        kv_quantization: KVQuantization | None = None, parallel: str | None = None) -> BenchReport:
     """Load the model (its caches stored as `kv_quantization` says) and run pp<n_prompt> (one
     sequence) and tg<n_gen> at each batch size, at each depth; 0 skips a test.
 
     With a constraint, two more tests of one sequence through the generation loop, side by side:
     `tg<n_gen> loop` without it and `tg<n_gen> constrained` with it (the price of the masks). With
     a `draft` (a path to a draft model, or an n-gram length for prompt lookup), `tg<n_gen> loop`
-    and `tg<n_gen> speculative` from `draft_prompt` (a copy task suits prompt lookup)."""
+    and `tg<n_gen> speculative` from `draft_prompt` (a copy task suits prompt lookup). Under
+    mlx.launch, `parallel` splits the model as runtime.load does, and the report has every rank's memory."""
     tensor_bytes, params = file_tensor_stats(path)
     # Memory is counted from here, so arrays that the calling process already holds are left out.
     held_before = mx.get_active_memory()
     mx.reset_peak_memory()
     runtime = load(path, dtype=dtype, dequantize=dequantize, context_length=context_length,
-                   kv_quantization=kv_quantization)
+                   kv_quantization=kv_quantization, parallel=parallel)
     report = BenchReport(
         model=os.path.basename(path), device=device_name(),
         mode="dequantize" if dequantize else ("native+kernels" if runtime.model.decode_step.uses_kernels else "native"),
@@ -216,7 +223,22 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         measure(repetitions)  # warm-up, on ids no timed run uses
         report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)], depth))
     report.run_peak_bytes = mx.get_peak_memory() - held_before
+    shard = runtime.model.shard
+    if shard is not None:
+        report.parallel = f"{shard.mode} x{shard.size}"
+        # This rank's cache: its heads of every layer, or every head of its layers.
+        share = 1 / shard.size if shard.mode == "tensor" else len(shard.layers) / runtime.config.n_layers
+        report.kv_bytes_per_position = round(report.kv_bytes_per_position * share)
+        layer_bytes = sum(a.nbytes for _, a in tree_flatten(runtime.model.parameters()["blk"]))
+        report.ranks = gather({"rank": shard.rank, "layers": [shard.layers.start, shard.layers.stop],
+                               "weight_bytes": report.weight_bytes, "layer_bytes": layer_bytes,
+                               "replicated_bytes": weight_param_bytes(runtime) - layer_bytes,
+                               "run_peak_bytes": report.run_peak_bytes})
     return report
+
+
+def weight_param_bytes(runtime: Runtime) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(runtime.model.parameters()))
 
 
 def rate(timing: tuple[float, int]) -> float:
@@ -247,6 +269,13 @@ def format_table(report: BenchReport) -> str:
         f"{report.weight_bytes / report.tensor_bytes:.3f} x the file's {report.tensor_bytes / mib:.1f} MiB of tensors "
         f"(peak while loading {report.load_peak_bytes / report.tensor_bytes:.3f} x); "
         f"peak during the tests: {report.run_peak_bytes / mib:.1f} MiB; KV cache ({report.kv_cache}): "
-        f"{report.kv_bytes_per_position / 1024:.1f} KiB a position of a sequence",
+        f"{report.kv_bytes_per_position / 1024:.1f} KiB a position of a sequence" + (" on rank 0" if report.ranks else ""),
     ]
+    if report.ranks:
+        rows += ["", f"split: {report.parallel} (tokens/s above are the whole run's, as every rank takes part)",
+                 "| rank | layers | weights held | of which layers | replicated | peak |",
+                 "| ---: | --- | ---: | ---: | ---: | ---: |"]
+        rows += [f"| {r['rank']} | {r['layers'][0]}-{r['layers'][1] - 1} | {r['weight_bytes'] / mib:.1f} MiB"
+                 f" | {r['layer_bytes'] / mib:.1f} MiB | {r['replicated_bytes'] / mib:.1f} MiB"
+                 f" | {r['run_peak_bytes'] / mib:.1f} MiB |" for r in report.ranks]
     return "\n".join(rows)

@@ -15,6 +15,7 @@ from typing import Callable, TextIO
 import click
 
 from .chat import ChatSession
+from .distributed import launched, share, world
 from .errors import MlxLlamaError
 from .files import STDOUT, WriteError
 from .line_editor import open_line_editor
@@ -33,6 +34,8 @@ def run_chat(session: ChatSession, stdin: TextIO) -> int:
         click.echo(f"mlxllama chat: {os.path.basename(session.runtime.path)}, template {session.template.label}"
                    f" ({editor.description}). {CHAT_HELP}", err=True)
     read = editor.read if interactive else piped_reader(stdin)
+    if launched():
+        read = rank0_reader(read)
     failed = False
     while True:
         try:
@@ -76,6 +79,21 @@ def piped_reader(stdin: TextIO) -> Callable[[], str | None]:
     return read
 
 
+def rank0_reader(read: Callable[[], str | None]) -> Callable[[], str | None]:
+    """Under mlx.launch: rank 0 reads each message and every rank gets it (None at the end)."""
+
+    def read_shared() -> str | None:
+        line = None
+        if world().is_root:
+            try:
+                line = read()
+            except EOFError:
+                pass
+        return share(line)
+
+    return read_shared
+
+
 def run_command(session: ChatSession, line: str) -> bool:
     """Carry out a /command; True means quit."""
     command, _, argument = line.partition(" ")
@@ -97,7 +115,8 @@ def run_command(session: ChatSession, line: str) -> bool:
     elif command == "/save":
         if not argument:
             raise MlxLlamaError("/save needs a file name")
-        session.save(argument)
+        if world().is_root:
+            session.save(argument)
         click.echo(f"[saved {argument}]", err=True)
     else:
         click.echo(f"[unknown command {command}; the commands are /reset, /system, /history, /save, /quit]", err=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -13,9 +14,11 @@ import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
                           dequantize_option, dequantize_requested, kv_cache_options, kv_quantization_requested,
-                          kv_size_options, load_draft, load_model, load_prompt_cache, model_option, parse_template_kwargs,
-                          prompt_cache_option, requested_constraint, sampling_options, sampling_params,
-                          speculation_options, template_options)
+                          kv_size_options, load_draft, load_model, load_prompt_cache, model_option, parallel_options,
+                          parallel_requested, parse_template_kwargs, prompt_cache_option, refuse_under_launch,
+                          remember, requested_constraint, sampling_options, sampling_params, speculation_options,
+                          template_options)
+from .distributed import barrier, launched, lost_peer, share, world
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
 
@@ -41,17 +44,32 @@ class Main(click.Group):
             sys.exit(130)
 
     def invoke(self, ctx):
+        launch_check(ctx._protected_args[0] if ctx._protected_args else None)  # the command to run
+        if launched():
+            # mlx.launch ends the other ranks with SIGTERM when one fails: one line, not a traceback.
+            signal.signal(signal.SIGTERM, lambda *_: fail(f"rank {world().rank}: stopped by SIGTERM"
+                                                          " (under mlx.launch: another rank ended)", 143))
+        if not world().is_root:  # under mlx.launch rank 0 alone writes; fail() still speaks for every rank
+            silence_stdout()
+            sys.stderr = open(os.devnull, "w")
         stdout = sys.stdout
         sys.stdout = CheckedStream(stdout, STDOUT)
         try:
             try:
-                return super().invoke(ctx)
+                result = super().invoke(ctx)
+                barrier()  # no rank leaves while another still exchanges with it
+                return result
             finally:
                 sys.stdout.flush()  # here, so that a full disk is reported, not met again at exit
         except MlxLlamaError as e:
             if isinstance(e, WriteError) and e.path == STDOUT:
                 silence_stdout()
-            fail(str(e))
+            fail(str(e) if world().is_root else None)  # every rank meets a user's error; one says it
+        except RuntimeError as e:
+            lost = lost_peer(e)
+            if lost is None:
+                raise
+            fail(str(lost))
         except KeyboardInterrupt:
             click.echo("\nmlxllama: interrupted", err=True)
             sys.exit(130)
@@ -64,9 +82,28 @@ class Main(click.Group):
                 sys.stdout = stdout
 
 
-def fail(message: str, code: int = 2) -> None:
-    click.echo(f"mlxllama: error: {message}", err=True)
+def fail(message: str | None, code: int = 2) -> None:
+    if message is not None:
+        # A follower rank's stderr goes nowhere (Main.invoke), but its own fatal error is worth a line.
+        click.echo(f"mlxllama: error: {message}", file=sys.stderr if world().is_root else sys.__stderr__)
     sys.exit(code)
+
+
+# The commands that run under mlx.launch; the others read or write per-process state (a saved
+# prompt cache, a trace's dumps) that a split model does not have yet.
+LAUNCHED_COMMANDS = ("generate", "chat", "batch", "serve", "bench", "perplexity")
+
+
+def refuse_stdin() -> None:
+    if launched():
+        raise MlxLlamaError("under mlx.launch, standard input never ends (mlx.launch does not pass its end on):"
+                            " give the text as an argument or a file")
+
+
+def launch_check(command: str | None) -> None:
+    if launched() and command not in (None, *LAUNCHED_COMMANDS):
+        fail(f"mlxllama {command} does not run under mlx.launch (these do: {', '.join(LAUNCHED_COMMANDS)})"
+             if world().is_root else None)
 
 
 def silence_stdout() -> None:
@@ -122,6 +159,7 @@ def print_prompt(prompt) -> None:
 @prompt_cache_option
 @kv_size_options
 @speculation_options
+@parallel_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
              show_prompt, compare_template, truncate, prompt_cache_file, max_kv_size, keep, draft_model, lookup,
@@ -136,7 +174,9 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
     """
     from .prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
 
+    refuse_under_launch(prompt_cache=prompt_cache_file, draft_model=draft_model, lookup=lookup)
     if prompt_text == "-":
+        refuse_stdin()
         prompt_text = sys.stdin.read()
     check_no_template(no_template, system, compare_template, template_name, template_file)
     if compare_template and prompt_cache_file:
@@ -277,6 +317,7 @@ def inspect_command(model_path, as_json):
 @prompt_cache_option
 @kv_size_options
 @speculation_options
+@parallel_options
 def chat(model_path, template_name, template_file, template_kwargs, system, prompt_cache_file, max_kv_size, keep,
          draft_model, lookup, draft_tokens, **sampling):
     """Chat with a model; the conversation stays in the KV cache between turns.
@@ -291,6 +332,7 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     from .chat_repl import run_chat
     from .prompt import choose_template
 
+    refuse_under_launch(prompt_cache=prompt_cache_file, draft_model=draft_model, lookup=lookup)
     check_no_template(False, system, False, template_name, template_file)
     kwargs = parse_template_kwargs(template_kwargs)
     runtime = load_model(model_path)
@@ -327,7 +369,8 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @dequantize_option
 @context_option
 @kv_cache_options
-@click.argument("prompts_file", metavar="PROMPTS", type=click.File("r", encoding="utf-8"))
+# Lazy: under mlx.launch only rank 0 opens it (the other machines need not have it).
+@click.argument("prompts_file", metavar="PROMPTS", type=click.File("r", encoding="utf-8", lazy=True))
 @click.option("--out", "-o", "out_path", default="-", show_default=True, metavar="FILE",
               help="Results, a JSON line per prompt ('-': stdout). An existing file is resumed: its ids are skipped.")
 @click.option("--text", "text_input", is_flag=True, help="PROMPTS is plain text, one prompt per line.")
@@ -342,10 +385,15 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @constraint_options
 @prompt_cache_option
 @kv_size_options
+@parallel_options
+@click.option("--data-parallel", is_flag=True, callback=remember,
+              help="Under mlx.launch: every process holds the whole model and runs a share of the lines (instead of"
+                   " splitting the model).")
 @click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="Format of the summary printed to stderr at the end.")
 def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
-          template_kwargs, system, compare_template, prompt_cache_file, max_kv_size, keep, summary, **sampling):
+          template_kwargs, system, compare_template, prompt_cache_file, max_kv_size, keep, data_parallel, summary,
+          **sampling):
     """Run every prompt of a JSONL file (or '-' for stdin) with batched decoding; write results in input order.
 
     Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
@@ -362,6 +410,10 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     from .cache import check_kv_size
     from .prompt import choose_template
 
+    refuse_under_launch(prompt_cache=prompt_cache_file)
+    if data_parallel and not launched():
+        raise MlxLlamaError("--data-parallel spreads the lines over the processes of mlx.launch:"
+                            " run `mlx.launch -n 2 -- mlxllama batch --data-parallel ...`")
     check_no_template(no_template, system, compare_template, template_name, template_file)
     check_kv_size(max_kv_size, keep)
     if max_kv_size and prompt_cache_file:
@@ -369,8 +421,13 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
-    source = "<stdin>" if prompts_file.name == "<stdin>" else prompts_file.name
-    with results_output(out_path, None if source == "<stdin>" else source) as (done, out):
+    source = "<stdin>" if prompts_file.name == "-" else prompts_file.name
+    if source == "<stdin>":
+        refuse_stdin()
+    output = results_output(out_path, None if source == "<stdin>" else source) if world().is_root else discard()
+    with output as (done, out):
+        if launched():  # rank 0 read them; the others run the same jobs, or their share of them
+            done, prompts_file = set(share(sorted(done))), share(list(prompts_file) if world().is_root else None)
         runtime = load_model(model_path)
         if constraint is not None:
             constraint.check(runtime.tokenizer)
@@ -382,13 +439,21 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
         settings = BatchSettings(template, system, kwargs, params, sampling["max_tokens"], sampling["stop"],
                                  compare_template, constraint, saved, max_kv_size, keep)
         stats = run_batch(runtime, prompts_file, source, out, done, settings,
-                          lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size)
+                          lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size,
+                          data_parallel)
     click.echo(stats.summary(summary), err=True)
     if stats.interrupted:
         where = "written to stdout" if out_path == "-" else f"in {out_path}; run the same command again to resume"
         click.echo(f"mlxllama: interrupted: {stats.done} of {stats.prompts} prompts done, {where}", err=True)
         sys.exit(130)
     sys.exit(2 if stats.errors else 0)
+
+
+@contextmanager
+def discard() -> Iterator[tuple[set[str], object]]:
+    """A follower rank's stand-in for results_output: rank 0 alone writes the results file."""
+    with open(os.devnull, "w") as out:
+        yield set(), out
 
 
 @main.command("serve")
@@ -417,6 +482,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @kv_size_options
 @sampling_options
+@parallel_options
 def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
                   template_name, template_file, max_kv_size, keep, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
@@ -441,8 +507,17 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     check_no_template(False, None, False, template_name, template_file)
     check_kv_size(max_kv_size, keep)
     params = sampling_params(sampling)
-    check_listen(host, port, api_key)
+    if world().is_root:
+        check_listen(host, port, api_key)
     runtime = load_model(model_path)
+    if not world().is_root:  # rank 0 serves; this rank runs its part of the model as rank 0's engine says
+        from .server.engine import make_decoder
+        from .server.replicas import follow
+
+        follow(make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_mb << 20, max_kv_size, keep))
+        sys.exit(0)  # rank 0 has gone (serve ends its process at once): no barrier to meet
+    if prompt_cache_mb and runtime.model.shard and runtime.model.shard.mode == "pipeline":
+        click.echo("[prompt cache off: a pipeline's ranks hold caches of different sizes]", err=True)
     settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
                               sampling["max_tokens"], api_key or None)
     serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
@@ -472,6 +547,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @speculation_options
 @click.option("--draft-prompt", metavar="TEXT", help="With --lookup or --draft-model: the raw prompt the tg tests start"
               " from (a copy task for lookup).")
+@parallel_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repetitions, depths, draft_model, lookup,
                   draft_tokens, draft_prompt, as_json):
@@ -492,13 +568,19 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
         raise MlxLlamaError("--batch and --repetitions must be at least 1, -p, -n and --depth at least 0")
     with tempfile.TemporaryDirectory() as scratch:
         if synthetic:
+            in_scratch = model_path is None
             model_path = model_path or os.path.join(scratch, f"{synthetic}-{quant}.gguf")
-            if not os.path.exists(model_path):
+            # Under mlx.launch each rank writes its own scratch copy; a file named by -m, rank 0
+            # alone while the others wait.
+            if not os.path.exists(model_path) and (in_scratch or world().is_root):
                 synthetic_models.write(model_path, synthetic, quant)
+            if not in_scratch:
+                barrier()
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
                            dequantize=dequantize_requested(), context_length=context_requested(),
                            constraint=requested_constraint(), draft=draft_model or lookup, draft_tokens=draft_tokens,
-                           draft_prompt=draft_prompt, depths=depth_list, kv_quantization=kv_quantization_requested())
+                           draft_prompt=draft_prompt, depths=depth_list, kv_quantization=kv_quantization_requested(),
+                           parallel=parallel_requested())
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
 
 
@@ -601,7 +683,7 @@ def perplexity_command(model_path, text_path, n_ctx, as_json):
     """
     from .perplexity import perplexity, read_text
 
-    text = read_text(text_path)
+    text = share(read_text(text_path) if world().is_root else None)  # under mlx.launch rank 0 reads it
     # llama-perplexity's context is one chunk, which also picks Phi-3's LongRoPE factors.
     runtime = load_model(model_path, n_ctx)
     tokens = runtime.tokenize(text, add_bos=True)

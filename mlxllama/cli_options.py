@@ -129,11 +129,14 @@ def context_requested() -> int | None:
     return click.get_current_context().meta.get("mlxllama.context_length")
 
 
+def remember(ctx, param, value):
+    """An option's callback that also leaves its value where load_model looks (ctx.meta)."""
+    ctx.meta[f"mlxllama.{param.name}"] = value
+    return value
+
+
 def kv_cache_options(f):
     # Not passed to the command: load_model reads them, as it reads --dequantize.
-    def remember(ctx, param, value):
-        ctx.meta[f"mlxllama.{param.name}"] = value
-
     options = [
         click.option("--kv-bits", type=int, default=None, metavar="4|8", expose_value=False, callback=remember,
                      help="Store the KV cache quantized to this many bits a value (MLX's affine quantization):"
@@ -164,15 +167,62 @@ def kv_quantization_requested():
     return KVQuantization(bits, meta["mlxllama.kv_group_size"], meta["mlxllama.quantized_kv_start"])
 
 
+def parallel_options(f):
+    # Not passed to the command: load_model reads it, as it reads --dequantize.
+    return click.option(
+        "--pipeline", is_flag=True, expose_value=False, callback=remember,
+        help="Under mlx.launch: split the model by layers, a range a process, instead of splitting every"
+             " layer's tensors (the default; a pipeline too where the heads do not divide).",
+    )(f)
+
+
+def parallel_requested() -> str | None:
+    """How the model is split over the processes of mlx.launch: "tensor", "pipeline", or None when
+    not launched (or when each process holds a whole model: batch --data-parallel)."""
+    from .distributed import launched
+
+    meta = click.get_current_context().meta
+    if not launched():
+        if meta.get("mlxllama.pipeline"):
+            raise MlxLlamaError("--pipeline splits a model over the processes of mlx.launch:"
+                                " run `mlx.launch -n 2 -- mlxllama ...`")
+        return None
+    if meta.get("mlxllama.data_parallel"):
+        if meta.get("mlxllama.pipeline"):
+            raise MlxLlamaError("--pipeline and --data-parallel exclude each other: split the model, or the lines")
+        return None
+    return "pipeline" if meta.get("mlxllama.pipeline") else "tensor"
+
+
 def load_model(model_path: str | None, context_length: int | None = None):
     """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context,
-    its caches stored as the --kv-* options say."""
+    its caches stored as the --kv-* options say; under mlx.launch, this process's part of it."""
+    from .distributed import world
     from .runtime import load
 
     if context_length is None:
         context_length = context_requested()
-    return load(model_path or default_model_path(), dequantize=dequantize_requested(), context_length=context_length,
-                kv_quantization=kv_quantization_requested())
+    runtime = load(model_path or default_model_path(), dequantize=dequantize_requested(),
+                   context_length=context_length, kv_quantization=kv_quantization_requested(),
+                   parallel=parallel_requested())
+    shard = runtime.model.shard
+    if shard is not None and world().is_root:
+        how = f"layers split by tensor over {shard.size} processes" if shard.mode == "tensor" else \
+            f"a pipeline of {shard.size} processes, {shard.layers.stop - shard.layers.start} layers on rank 0" + (
+                f" (not split by tensor: {shard.reason})" if shard.reason else "")
+        click.echo(f"[mlx.launch: {how}]", err=True)
+    return runtime
+
+
+def refuse_under_launch(**options) -> None:
+    """A one-line error for the first given option that a run under mlx.launch does not take yet."""
+    from .distributed import launched
+
+    if not launched():
+        return
+    for option, value in options.items():
+        if value:
+            raise MlxLlamaError(f"--{option.replace('_', '-')} is not supported under mlx.launch yet")
 
 
 CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",

@@ -12,6 +12,7 @@ import numpy as np
 
 from .cache import KVCache, KVQuantization, check_kv_size
 from .constraints import Constraint, Guide
+from .distributed import world
 from .errors import MlxLlamaError
 from .generate import GenerationResult, TextStream
 from .gguf_file import open_gguf, read_metadata
@@ -19,6 +20,7 @@ from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
+from .sharding import Shard, plan_shard
 from .speculative import DraftModel, PromptLookup, Speculation
 from .tokenizer import Tokenizer
 from .tool_calls import ToolCall, read_tool_choice, read_tools, template_message, tool_use
@@ -110,7 +112,7 @@ class Runtime:
         if draft is not None and (constraint is not None or max_kv_size):
             raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
         speculation = self.speculation(draft, params, draft_tokens)
-        return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params), max_tokens, stop,
+        return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params, self.model.sampling_group), max_tokens, stop,
                           new_ids=ids[cached:], guide=guide, speculate=speculation)
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
@@ -156,7 +158,8 @@ class Runtime:
 
 
 def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
-         context_length: int | None = None, kv_quantization: KVQuantization | None = None) -> Runtime:
+         context_length: int | None = None, kv_quantization: KVQuantization | None = None,
+         parallel: str | None = None) -> Runtime:
     """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
 
     `context_length` limits prompt plus generation (default: the model's trained context, as
@@ -169,6 +172,12 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
 
     With a `kv_quantization` (KVQuantization(bits=8), say) every cache made for the model stores its
     keys and values quantized: --kv-bits.
+
+    Under `mlx.launch`, `parallel` splits the model over the launched processes (sharding.py):
+    "tensor" (each rank holds a share of every layer; a pipeline where the model does not split
+    so, said on stderr by the CLI through `runtime.shard.reason`) or "pipeline" (a range of layers
+    a rank). Every rank must then run the same calls: rank 0's sampled tokens are the ones all
+    ranks feed (distributed.py). None, or a single process, loads the whole model.
     """
     start = time.perf_counter()
     gguf = open_gguf(path)
@@ -176,9 +185,12 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     config = architecture.read_config(gguf, context_length)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
-    model = load_model(gguf, architecture, config, dtype, native=not dequantize)
+    shard = plan_parallel(parallel, config, native=not dequantize)
+    model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard)
     model.store_kv_quantized(kv_quantization)
-    if not dequantize and cuda_kernels_wanted():
+    # The kernels fuse each projection with the residual add where a split model's all-reduce must
+    # go: a split model runs the plain step (docs/distributed.md).
+    if not dequantize and shard is None and cuda_kernels_wanted():
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
 
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
@@ -186,6 +198,16 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
         model.attend_prefill_explicitly()
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start, dequantize)
+
+
+def plan_parallel(parallel: str | None, config: ModelConfig, native: bool) -> Shard | None:
+    """This rank's part of the model for `parallel` ("tensor", "pipeline" or None: all of it)."""
+    if parallel not in (None, "tensor", "pipeline"):
+        raise MlxLlamaError(f"parallel must be 'tensor' or 'pipeline', not {parallel!r}")
+    w = world()
+    if parallel is None or w.size == 1:
+        return None
+    return plan_shard(config, w.rank, w.size, w.group, pipeline=parallel == "pipeline", native=native)
 
 
 def on_cuda() -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from .distributed import follow_rank0
 from .errors import MlxLlamaError
 from .logits_processors import GeneratedCounts, apply_logit_bias, apply_repeat_penalty, penalize_counted
 
@@ -82,7 +83,7 @@ class SamplingParams:
 Sampler = Callable[..., mx.array]
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
+def make_sampler(params: SamplingParams, group=None) -> Sampler:
     """A function (logits [vocab], ids so far, pending, allowed) -> token id as a 0-d mx.array,
     seeded per sampler.
 
@@ -91,6 +92,8 @@ def make_sampler(params: SamplingParams) -> Sampler:
     `allowed` (a bool per logit) is a constraint's mask (constraints.Guide): the other tokens are
     ruled out after the penalties and bias and before temperature, top-k, top-p and min-p, so
     those filters, and greedy's argmax, choose among allowed tokens only.
+
+    `group`: the ranks a split model runs on (Transformer.sampling_group), which all take rank 0's token.
     """
     key = mx.random.key(params.seed) if params.seed is not None else None
     generated = GeneratedCounts() if params.presence_penalty or params.frequency_penalty else None
@@ -111,6 +114,8 @@ def make_sampler(params: SamplingParams) -> Sampler:
             else:
                 key, step_key = mx.random.split(key)
                 token = mx.random.categorical(logits, key=step_key)
+        if group is not None:
+            token = follow_rank0(token, group)
         if generated is not None:
             generated.add(token)
         return token

@@ -8,14 +8,15 @@ and scale every activation.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import MlxLlamaError
 from .gguf_file import tensor_shape
-from .quants import AFFINE_TYPES, SUPPORTED_TYPES, AffineWeight, dequantize, to_affine
+from .quants import AFFINE_GROUP_SIZE, AFFINE_TYPES, SUPPORTED_TYPES, AffineWeight, dequantize, to_affine
 
 
 class Blocks(NamedTuple):
@@ -28,13 +29,30 @@ class Blocks(NamedTuple):
 Weight = mx.array | AffineWeight | Blocks
 
 
-def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype) -> mx.array:
-    """The tensor's values as a `dtype` array of its row-major shape; `path` names the file in errors."""
+class Piece(NamedTuple):
+    """The part of a tensor that one rank of a tensor-parallel run holds (sharding.py): ranges of
+    its rows (the second-last axis) joined in order, or one range of its columns (the last axis)."""
+
+    rows: tuple[tuple[int, int], ...] | None = None
+    columns: tuple[int, int] | None = None
+
+
+class TensorPart(NamedTuple):
+    """A cut of a file's tensor with the fields the conversion reads: `data` holds only the cut."""
+
+    name: str
+    tensor_type: Any
+    data: np.ndarray
+
+
+def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype, shape: tuple[int, ...] | None = None) -> mx.array:
+    """The tensor's values as a `dtype` array of its row-major shape (or of `shape`, a cut's);
+    `path` names the file in errors."""
     qtype = tensor.tensor_type
     if qtype not in SUPPORTED_TYPES:
         type_name = qtype.name if isinstance(qtype, GGMLQuantizationType) else str(qtype)
         raise MlxLlamaError(f"{path}: tensor {tensor.name!r} has unsupported type {type_name}")
-    shape = tensor_shape(tensor)
+    shape = shape or tensor_shape(tensor)
     block, _ = GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:
         raise MlxLlamaError(
@@ -48,13 +66,17 @@ def weight_dtype(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.Dtype
 
 
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
-            lookup_only: bool = False) -> Weight:
+            lookup_only: bool = False, piece: Piece | None = None) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
 
     native: a quantized matrix stays quantized, as its Blocks when `lookup_only` (a token table
     that is not also the output layer), else as an AffineWeight; dequantized mode, and every float
-    tensor, give a plain array.
+    tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
     """
+    if piece is not None:
+        tensor, shape, trim = cut(tensor, shape, piece)
+        weight = convert(path, tensor, shape, dtype, native)
+        return trim_columns(weight, trim) if trim else weight
     quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
     if quantized and lookup_only:
         weight = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
@@ -65,6 +87,51 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     elif quantized:
         return to_affine(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
     else:
-        weight = tensor_to_mlx(path, tensor, weight_dtype(tensor.name, shape, dtype))
+        weight = tensor_to_mlx(path, tensor, weight_dtype(tensor.name, shape, dtype), shape)
     mx.eval(weight)
     return weight
+
+
+def cut(tensor, shape: tuple[int, ...], piece: Piece) -> tuple[TensorPart, tuple[int, ...], tuple[int, int] | None]:
+    """The part of `tensor` (row-major `shape`) that `piece` names, read from the file alone, its
+    shape, and the columns of it to keep after conversion: a quantized row is cut along whole
+    blocks, so a cut inside a block reads that block and trims the converted weight."""
+    data = tensor.data
+    if piece.rows is not None and len(shape) == 1:  # a bias: one value a row
+        data = np.concatenate([data[a:b] for a, b in piece.rows])
+        shape = (len(data),)
+    elif piece.rows is not None:
+        data = np.concatenate([data[..., a:b, :] for a, b in piece.rows], axis=-2)
+        shape = (*shape[:-2], sum(b - a for a, b in piece.rows), shape[-1])
+    trim = None
+    if piece.columns is not None:
+        a, b = piece.columns
+        if data.shape[-1] == shape[-1]:  # a float tensor: one array element a value
+            data = data[..., a:b]
+            shape = (*shape[:-1], b - a)
+        else:
+            block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+            first, last = a // block, -(-b // block)
+            data = data[..., first * block_bytes : last * block_bytes]
+            shape = (*shape[:-1], (last - first) * block)
+            if (a, b) != (first * block, last * block):
+                trim = (a - first * block, b - first * block)
+    return TensorPart(tensor.name, tensor.tensor_type, data), shape, trim
+
+
+def trim_columns(weight: Weight, columns: tuple[int, int]) -> Weight:
+    """Columns [a, b) of a converted weight, copied, so that the rest of the block it was read in is
+    freed; an AffineWeight's must fall on whole groups (sharding.py only asks for those)."""
+    a, b = columns
+    if isinstance(weight, AffineWeight):
+        group = AFFINE_GROUP_SIZE
+        assert a % group == 0 and b % group == 0, (a, b)
+        words = group * weight.bits // 32
+        parts = {"weight": (a // group * words, b // group * words), "scales": (a // group, b // group),
+                 "biases": (a // group, b // group)}
+        trimmed = weight._replace(**{name: mx.contiguous(getattr(weight, name)[..., lo:hi])
+                                     for name, (lo, hi) in parts.items() if getattr(weight, name) is not None})
+    else:
+        trimmed = mx.contiguous(weight[..., a:b])
+    mx.eval(trimmed)
+    return trimmed

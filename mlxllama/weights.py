@@ -22,23 +22,33 @@ from .gguf_file import GGUFFile
 from .models import Architecture, ModelConfig, Transformer
 from .quantized_layers import quantized_layer
 from .quants import AffineWeight
+from .sharding import Shard
 from .tensors import Blocks, Weight, convert
 
 
 def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
-               native: bool = True) -> Transformer:
+               native: bool = True, shard: Shard | None = None) -> Transformer:
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
-    its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized."""
-    model = architecture.build(config, dtype)
+    its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized.
+    With a `shard`, only the tensors and pieces of tensors that rank holds are read."""
+    model = architecture.build(config, dtype, shard)
+    layers = shard.layers if shard else range(config.n_layers)
     # The tensors of each block ("blk.N."), then the rest: the embedding and output, larger than a block.
-    blocks: list[dict] = [{} for _ in range(config.n_layers)]
+    blocks: list[dict] = [{} for _ in layers]
     rest: dict = {}
-    for name, entry in architecture.tensors(config).items():
-        (blocks[int(name.split(".")[1])] if name.startswith("blk.") else rest)[name] = entry
+    for name, (parameter, shape) in architecture.tensors(config).items():
+        if not name.startswith("blk."):
+            rest[name] = (parameter, shape)
+            continue
+        index = int(name.split(".")[1])
+        if index in layers:  # a pipeline stage's blocks are its model's blk.0, blk.1, ...
+            local = f"blk.{index - layers.start}." + parameter.split(".", 2)[2]
+            blocks[index - layers.start][name] = (local, shape)
 
     def load(part: dict) -> None:
         _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
-                                         lookup_only=name == "token_embd.weight" and not config.tied_output)
+                                         lookup_only=name == "token_embd.weight" and not config.tied_output,
+                                         piece=shard.piece(name, config) if shard else None)
                       for name, (parameter, shape) in part.items()})
 
     for block, part in zip(model.blk, blocks):

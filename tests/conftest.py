@@ -2,7 +2,8 @@
 
 Tests are grouped: unit/ (one module or behaviour at a time), parity/ (against llama.cpp and
 transformers references), cli/ (commands as a user runs them, and the benchmark scripts), cuda/
-(the CUDA kernels; they skip where MLX does not run on CUDA).
+(the CUDA kernels; they skip where MLX does not run on CUDA), distributed/ (models split over two
+processes of mlx.launch on 127.0.0.1).
 """
 
 from __future__ import annotations

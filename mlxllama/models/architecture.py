@@ -29,9 +29,10 @@ class Architecture:
         """The config with what this family reads beyond the shared keys (none by default)."""
         return config
 
-    def build(self, config: ModelConfig, compute_dtype) -> Transformer:
-        """The model with its parameters still unloaded (weights.py loads them)."""
-        return self.model_class(config, compute_dtype)
+    def build(self, config: ModelConfig, compute_dtype, shard=None) -> Transformer:
+        """The model with its parameters still unloaded (weights.py loads them); with a
+        sharding.Shard, only the part of it one rank of an mlx.launch run holds."""
+        return self.model_class(config, compute_dtype, shard)
 
     def tensors(self, config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every tensor the model reads: file name -> (the model's parameter path, row-major shape).

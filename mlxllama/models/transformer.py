@@ -8,7 +8,7 @@ weights load by name and a tensor can be followed from the file to the layer tha
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,6 +16,9 @@ import mlx.nn as nn
 from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_arrays, kv_map,
                      make_batch_cache, make_cache, quantizes, visible)
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..sharding import Shard
 
 
 class RMSNorm(nn.RMSNorm):
@@ -35,9 +38,12 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype, index: int = 0):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype, index: int = 0, group=None):
         super().__init__()
         self.config = config
+        # Tensor parallel: this rank holds a share of the heads and FFN width (sharding.py), and
+        # the attention's and FFN's partial outputs are summed over `group` before they are added.
+        self._group = group
         hidden, head_dim = config.hidden_size, config.head_dim
         # Underscored: constants derived from the config, not weights to load.
         self._window = config.window(index)
@@ -127,13 +133,17 @@ class Block(nn.Module):
 
     def attention_residual(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         """What attention adds to the residual stream x."""
-        out = self.attention(self.attn_norm(x), mask, cache)
+        out = self.sum_shards(self.attention(self.attn_norm(x), mask, cache))
         return self.post_attention_norm(out) if "post_attention_norm" in self else out
 
     def mlp_residual(self, h: mx.array) -> mx.array:
         """What the FFN adds to the residual stream h."""
-        out = self.mlp(self.ffn_norm(h))
+        out = self.sum_shards(self.mlp(self.ffn_norm(h)))
         return self.post_ffw_norm(out) if "post_ffw_norm" in self else out
+
+    def sum_shards(self, out: mx.array) -> mx.array:
+        """The whole projection's output from this rank's partial one (tensor parallel), else `out`."""
+        return out if self._group is None else mx.distributed.all_sum(out, group=self._group)
 
     def mlp(self, x: mx.array) -> mx.array:
         if "ffn_gate_inp" in self:
@@ -175,12 +185,18 @@ class Experts(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype = mx.float32):
+    def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype = mx.float32, shard: Shard | None = None):
         super().__init__()
         self.config = config
         self.compute_dtype = compute_dtype
+        # Under mlx.launch, the part of the model this rank holds (sharding.py): in a pipeline,
+        # `blk` holds its stage's blocks only; split by tensor, every block's share.
+        self.shard = shard
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blk = [Block(config, compute_dtype, i) for i in range(config.n_layers)]
+        layers = shard.layers if shard else range(config.n_layers)
+        block_config = shard.block_config(config) if shard else config
+        group = shard.group if shard and shard.mode == "tensor" else None
+        self.blk = [Block(block_config, compute_dtype, i, group) for i in layers]
         # How the caches made for this model store keys and values (store_kv_quantized).
         self.kv_quantization: KVQuantization | None = None
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
@@ -189,6 +205,11 @@ class Transformer(nn.Module):
         # What serves `step`: the compiled MLX step below, unless runtime.load chose a backend's own
         # (mlxllama.cuda's kernels), which hands what it does not take back to this one.
         self.decode_step: DecodeStep = CompiledStep(self)
+
+    @property
+    def sampling_group(self):
+        """The ranks this model is split over (all of them sample rank 0's tokens), or None."""
+        return self.shard.group if self.shard else None
 
     def attend_prefill_explicitly(self) -> None:
         """Prefill attention by matrix products and a softmax instead of MLX's fused kernel, whose
@@ -223,9 +244,12 @@ class Transformer(nn.Module):
         """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
         h = self.embed(tokens)
         masks = self.masks(tokens.shape[1], cache)
+        stage = self.shard if self.shard and self.shard.mode == "pipeline" else None
+        if stage and not stage.first:  # a later stage starts from the one before's output
+            h = mx.distributed.recv_like(h, stage.rank - 1, group=stage.group)
         for i, block in enumerate(self.blk):
             h = block(h, masks[block.window], cache[i] if cache else None)
-        return h
+        return hand_on(h, stage) if stage else h
 
     def embed(self, tokens: mx.array) -> mx.array:
         """tokens [batch, length] -> the residual stream's start [batch, length, hidden] (float32)."""
@@ -253,6 +277,15 @@ class Transformer(nn.Module):
         logits = (self.token_embd.as_linear(h) if self.config.tied_output else self.output(h)).astype(mx.float32)
         cap = self.config.final_logit_softcap
         return cap * mx.tanh(logits / cap) if cap else logits
+
+
+def hand_on(h: mx.array, stage: Shard) -> mx.array:
+    """A pipeline stage's output passed to the next stage; the last stage's, to every rank (each
+    computes the head, so that all of them hold the same logits and run the same loop)."""
+    last = stage.rank == stage.size - 1
+    if not last:
+        h = mx.depends(mx.zeros_like(h), mx.distributed.send(h, stage.rank + 1, group=stage.group))
+    return mx.distributed.all_sum(h, group=stage.group)
 
 
 # Past this many keys the fused kernel's one compile is cheap next to the prefill it serves, and an

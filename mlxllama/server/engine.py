@@ -22,6 +22,7 @@ from ..batching import BatchDecoder, Request, Row
 from ..cache import GROWTH_STEP, kv_bytes_per_position
 from ..generate import PREFILL_CHUNK
 from ..prompt_cache import PromptCache
+from .replicas import LeadingDecoder
 
 
 @dataclass
@@ -62,9 +63,10 @@ class Engine:
     def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
                  kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
                  max_kv_size: int = 0, keep: int = 4):
-        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-        self.decoder = BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, self.prompt_cache,
-                                    max_kv_size, keep)
+        decoder = make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_bytes, max_kv_size, keep)
+        self.prompt_cache = decoder.prompt_cache
+        # A model split over mlx.launch's ranks: each decoder call goes to the other ranks first.
+        self.decoder = LeadingDecoder(decoder) if runtime.model.shard else decoder
         self.context_length = runtime.config.context_length
         model = runtime.model
         self.slot_bytes = kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization)
@@ -111,6 +113,8 @@ class Engine:
 
     def _run(self) -> None:
         self._serve()
+        if isinstance(self.decoder, LeadingDecoder):
+            self.decoder.close()
         for ticket in self.tickets + list(self.waiting):
             with contextlib.suppress(RuntimeError):  # its event loop may be closed already
                 ticket.on_error(RuntimeError("the server is stopping"))
@@ -184,6 +188,18 @@ class Engine:
         if gone:
             self.decoder.drop([t.row for t in gone])
             self.tickets = [t for t in self.tickets if not t.cancelled]
+
+
+def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK, prompt_cache_bytes: int = 0,
+                 max_kv_size: int = 0, keep: int = 4) -> BatchDecoder:
+    """The engine's decoder (and a following rank's: replicas.follow). A pipeline's ranks hold
+    caches of different sizes, so their prompt caches would drop different entries and their
+    decoders part ways: a pipeline keeps none."""
+    shard = runtime.model.shard
+    if shard is not None and shard.mode == "pipeline":
+        prompt_cache_bytes = 0
+    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep)
 
 
 def default_kv_budget() -> int:

@@ -85,11 +85,11 @@ def test_the_exact_references_hold_at_every_position(name, dequantize):
 
 @lru_cache(maxsize=None)
 def long_logits(name: str, window: int | None = None, local_base: float | None = None,
-                dequantize: bool = False, tokens: int | None = None) -> tuple:
+                tokens: int | None = None) -> tuple:
     """Our logits at the long reference's positions (those among its first `tokens`, if given);
     `window`/`local_base` replace the sliding layers' window or RoPE base, to show that the test
     catches a wrong one."""
-    m = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=LONG_CONTEXT, dequantize=dequantize)
+    m = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=LONG_CONTEXT)
     for block in m.model.blk:
         if block.window and window is not None:
             block._window = window
@@ -114,22 +114,18 @@ def prefill_logits(model, ids: list[int], positions) -> np.ndarray:
     return np.array(model.head(mx.concatenate(hidden)))
 
 
-# With --dequantize too where the reference is exact, but for the mixtures: Qwen3-MoE's Q8_0 is exact
-# natively, and the short prompts test both modes of each.
-LONG_CASES = [(n, False) for n in LONG_REFERENCES] + [(n, True) for n in LONG_REFERENCES
-                                                      if n.startswith(EXACT) and not n.startswith(("qwen3moe", "mixtral"))]
-
-
-@pytest.mark.parametrize("name,dequantize", LONG_CASES, ids=lambda x: {False: "native", True: "dequantize"}.get(x, x))
-def test_logits_match_llama_cpp_past_4096_tokens(name, dequantize):
-    m, ours = long_logits(name, dequantize=dequantize)
+# Native mode only: what a long prompt tests (the cache's growth, sliding windows, positions past
+# 4,096) is the same code in both modes, and the short prompts test --dequantize against the exact
+# references.
+@pytest.mark.parametrize("name", LONG_REFERENCES)
+def test_logits_match_llama_cpp_past_4096_tokens(name):
+    m, ours = long_logits(name)
     ref = reference(name)
     assert len(ref["long/ids"]) >= 4096 and m.tokenize(str(ref["long/text"])) == ref["long/ids"].tolist()
     kl = kl_per_position(ref, "long", ours)
     assert kl.mean() < MAX_MEAN_KL, f"{name}: mean KL {kl.mean():.2e}, largest {kl.max():.2e}"
     if name.startswith(EXACT):
-        largest = MAX_MEAN_KL if dequantize else NATIVE_MAX_KL
-        assert kl.max() < largest, f"{name}: largest KL {kl.max():.2e} at {ref['long/positions'][kl.argmax()]}"
+        assert kl.max() < NATIVE_MAX_KL, f"{name}: largest KL {kl.max():.2e} at {ref['long/positions'][kl.argmax()]}"
     top = ref["long/top_logits"]
     decided = top[:, 0] - top[:, 1] >= 0.1
     assert decided.mean() > MIN_DECIDED
