@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable, Iterator
@@ -44,18 +45,13 @@ class Main(click.Group):
             sys.exit(130)
 
     def invoke(self, ctx):
-        launch_check(ctx._protected_args[0] if ctx._protected_args else None)  # the command to run
         if launched():
-            # mlx.launch ends the other ranks with SIGTERM when one fails: one line, not a traceback.
-            signal.signal(signal.SIGTERM, lambda *_: fail(f"rank {world().rank}: stopped by SIGTERM"
-                                                          " (under mlx.launch: another rank ended)", 143))
-        if not world().is_root:  # under mlx.launch rank 0 alone writes; fail() still speaks for every rank
-            silence_stdout()
-            sys.stderr = open(os.devnull, "w")
+            prepare_launched_rank()
         stdout = sys.stdout
         sys.stdout = CheckedStream(stdout, STDOUT)
         try:
             try:
+                launch_check(ctx._protected_args[0] if ctx._protected_args else None)  # the command to run
                 result = super().invoke(ctx)
                 barrier()  # no rank leaves while another still exchanges with it
                 return result
@@ -64,7 +60,7 @@ class Main(click.Group):
         except MlxLlamaError as e:
             if isinstance(e, WriteError) and e.path == STDOUT:
                 silence_stdout()
-            fail(str(e) if world().is_root else None)  # every rank meets a user's error; one says it
+            fail(str(e)) if world().is_root else follower_fails(str(e))
         except RuntimeError as e:
             lost = lost_peer(e)
             if lost is None:
@@ -102,8 +98,30 @@ def refuse_stdin() -> None:
 
 def launch_check(command: str | None) -> None:
     if launched() and command not in (None, *LAUNCHED_COMMANDS):
-        fail(f"mlxllama {command} does not run under mlx.launch (these do: {', '.join(LAUNCHED_COMMANDS)})"
-             if world().is_root else None)
+        raise MlxLlamaError(f"mlxllama {command} does not run under mlx.launch (these do: {', '.join(LAUNCHED_COMMANDS)})")
+
+
+# How long a rank other than 0 holds back a user's error: every rank usually meets the same one,
+# and rank 0 says it; the others say theirs only if mlx.launch has not stopped them by then.
+FOLLOWER_ERROR_GRACE_SECONDS = 2.0
+
+
+def prepare_launched_rank() -> None:
+    """Under mlx.launch: rank 0 alone writes, and mlx.launch's SIGTERM (it stops the other ranks
+    when one fails) ends a rank with one line, not a traceback."""
+    signal.signal(signal.SIGTERM, lambda *_: fail(f"rank {world().rank}: stopped by SIGTERM"
+                                                  " (under mlx.launch: another rank ended)", 143))
+    if not world().is_root:
+        silence_stdout()
+        sys.stderr = open(os.devnull, "w")
+
+
+def follower_fails(message: str) -> None:
+    """A user's error on a rank other than 0: said after a grace period, unless rank 0 failed too
+    (then mlx.launch stops this rank quietly first), so that the line comes once, from rank 0."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(2))
+    time.sleep(FOLLOWER_ERROR_GRACE_SECONDS)
+    fail(f"rank {world().rank}: {message}")
 
 
 def silence_stdout() -> None:
