@@ -498,11 +498,12 @@ def discard() -> Iterator[tuple[set[str], object]]:
               help="Prompt tokens a newcomer's prefill feeds between two decode steps of the running requests.")
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
+@click.option("--no-webui", is_flag=True, help="Serve the API only, not the chat page at /.")
 @kv_size_options
 @sampling_options
 @parallel_options
 def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
-                  template_name, template_file, max_kv_size, keep, **sampling):
+                  template_name, template_file, no_webui, max_kv_size, keep, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -541,8 +542,9 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
           max_queue, prompt_cache_mb << 20,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
-                                          f" (template {settings.template.label}); Ctrl-C stops", err=True),
-          max_kv_size=max_kv_size, keep=keep)
+                                          f" (template {settings.template.label}){'' if no_webui else ', chat page at /'};"
+                                          " Ctrl-C stops", err=True),
+          max_kv_size=max_kv_size, keep=keep, webui=not no_webui)
 
 
 @main.command("bench")

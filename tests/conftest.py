@@ -8,6 +8,10 @@ processes of mlx.launch on 127.0.0.1).
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -62,3 +66,37 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                         " (the parity models, vocabularies and templates beside the checkout)")
         else:
             terminalreporter.write_line(f"{count} skipped: {reason}")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlxllama serve ARGS` on a free loopback port, started and waited for; `url` reaches it.
+    (httpx: imported here, as only the server's tests use it.)"""
+
+    def __init__(self, *args: str):
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "mlxllama", "serve", "--port", str(self.port), *args],
+                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+            if self.process.poll() is not None:
+                raise AssertionError(self.process.stderr.read())
+        raise AssertionError("the server did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)

@@ -31,7 +31,7 @@ def check_listen(host: str, port: int, api_key: str | None) -> None:
 
 def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 16,
           prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
-          on_ready=lambda url: None, max_kv_size: int = 0, keep: int = 4) -> None:
+          on_ready=lambda url: None, max_kv_size: int = 0, keep: int = 4, webui: bool = True) -> None:
     """Serve until Ctrl-C or SIGTERM (check_listen first); in-flight requests are finished or
     cancelled, then the engine stops."""
     import uvicorn
@@ -40,7 +40,7 @@ def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batc
     from .engine import Engine
 
     engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes, max_kv_size, keep)
-    config = uvicorn.Config(create_app(runtime, engine, settings), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(runtime, engine, settings, webui), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)
     server = _server_class()(config)
     try:

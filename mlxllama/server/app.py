@@ -2,8 +2,9 @@
 
 Routes: POST /v1/chat/completions (the chat template applied explicitly; `chat_template` picks
 another or "none"), POST /v1/completions (the raw prompt, as `generate --no-template`), GET
-/v1/models, GET /health, POST /tokenize and /detokenize (llama-server's). Streaming is server-sent
-events. `return_prompt: true` adds the rendered prompt and its token ids to a response.
+/v1/models, GET /health, GET /props (the template's name and source), POST /tokenize and /detokenize
+(llama-server's), and the chat page at `/`. Streaming is server-sent events. `return_prompt: true`
+adds the rendered prompt and its token ids to a response.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import time
 import uuid
+from pathlib import Path
 
 import mlx.core as mx
 from dataclasses import dataclass
@@ -21,11 +23,13 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ..batching import Request, Row, TokenLogprob
 from ..cache import kv_label
+from ..chat_template import builtin_template, builtin_template_names
 from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
@@ -43,10 +47,17 @@ class ServerSettings:
     api_key: str | None = None
 
 
-def create_app(runtime, engine: Engine, settings: ServerSettings) -> Starlette:
+# The chat page (`/`): static files shipped in the package, talking only to the routes below.
+WEBUI = Path(__file__).parent.parent / "webui"
+
+
+def create_app(runtime, engine: Engine, settings: ServerSettings, webui: bool = True) -> Starlette:
     api = Api(runtime, engine, settings)
-    routes = [
+    page = [Route("/", lambda request: FileResponse(WEBUI / "index.html"), methods=["GET"]),
+            Mount("/webui", StaticFiles(directory=WEBUI), name="webui")] if webui else []
+    routes = page + [
         Route("/health", api.health, methods=["GET"]),
+        Route("/props", api.props, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -74,6 +85,15 @@ class Api:
                              "prompt_cache_bytes": cache.nbytes if cache else 0,
                              "kv_cache": kv_label(self.runtime.model.kv_quantization),
                              "max_kv_size": self.engine.decoder.max_kv_size})
+
+    async def props(self, request: HttpRequest) -> Response:
+        """What the chat page shows beside a reply: the model, its template's name and source, and
+        the built-in templates a request may pick instead (with theirs)."""
+        template = self.settings.template
+        return await self._guarded(request, lambda body: JSONResponse({
+            "model": self.model_id, "path": self.runtime.path, "context_length": self.runtime.config.context_length,
+            "template": {"label": template.label, "source": template.text},
+            "templates": {name: builtin_template(name) for name in builtin_template_names()}}), read=False)
 
     async def models(self, request: HttpRequest) -> Response:
         return await self._guarded(request, lambda body: JSONResponse({"object": "list", "data": [
@@ -131,7 +151,11 @@ class Api:
             vocab = self.runtime.tokenizer.vocab_size
             if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
                 raise ApiError(f"'tokens' must be a list of token ids below {vocab}", "tokens")
-            return JSONResponse({"content": self.runtime.tokenizer.decode(tokens)})
+            tokenizer = self.runtime.tokenizer
+            if body.get("with_pieces"):  # each id's piece, and whether it is a control token
+                return JSONResponse({"content": tokenizer.decode(tokens), "pieces": [
+                    {"id": t, "piece": tokenizer.id_to_piece(t), "special": tokenizer.is_control(t)} for t in tokens]})
+            return JSONResponse({"content": tokenizer.decode(tokens)})
 
         return await self._guarded(request, handle)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 
 import mlxllama
 
-from conftest import PACKAGE_DATA, REPO
+from conftest import PACKAGE_DATA, REPO, Server
 
 MODEL = PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf"
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
@@ -26,34 +25,6 @@ JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5
              29989, 465, 22137, 29989, 29958, 13]
 # Small enough that the burst below fills it and evicts, large enough for a chat's turns (~100 KB each).
 PROMPT_CACHE_MB = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "mlxllama", "serve", "--port", str(self.port), *args],
-                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-            if self.process.poll() is not None:
-                raise AssertionError(self.process.stderr.read())
-        raise AssertionError("the server did not start")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PACKAGE_DATA, REPO_FIXTURES
+from conftest import PACKAGE_DATA, REPO_FIXTURES, free_port
 
 import mlxllama
 
@@ -26,12 +25,6 @@ HERE = Path(__file__).parent
 # Mean KL divergence of a split model's next-token distributions from one process's: the split
 # sums each projection's halves in another order, which moves float32 logits by about 1e-5.
 MAX_KL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(*command: str, n: int = 2, timeout: float = 240, stdin: str | None = None, **kwargs):
