@@ -651,7 +651,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
             raise MlxLlamaError("--compare takes two dump directories, not --prompt or --dump")
         comparison = trace.compare_dumps(compare[0], compare[1], tolerance)
         click.echo(json.dumps(asdict(comparison)) if as_json else trace.format_comparison(comparison, *compare))
-        sys.exit(1 if comparison.first_divergence else 0)
+        sys.exit(1 if comparison.diverged else 0)
     if prompt_text is None:
         raise MlxLlamaError("trace needs --prompt (or --compare DIR_A DIR_B)")
     if steps < 1 or top_k < 1:

@@ -193,10 +193,26 @@ class Comparison:
     positions: int  # positions compared: the common prefix of both dumps' token ids
     layers: list[LayerDiff]  # in computation order
     notes: list[str]
+    # The prompt's length (the reference's meta): position p >= it was fed by decoding step
+    # p - prompt_length + 2, the prompt being step 1.
+    prompt_length: int | None = None
+    # Where the token ids part, when both dumps go on past it: (position, id in A, id in B).
+    token_divergence: tuple[int, int, int] | None = None
 
     @property
     def first_divergence(self) -> LayerDiff | None:
         return next((d for d in self.layers if d.first_diverging is not None), None)
+
+    @property
+    def diverged(self) -> bool:
+        """A layer over the tolerance, or, with every layer within it, different tokens fed."""
+        return self.first_divergence is not None or self.token_divergence is not None
+
+    def step(self, position: int) -> int:
+        """The pass of `trace --steps` that fed `position`: 1 for the prompt, then one a token."""
+        if self.prompt_length is None or position < self.prompt_length:
+            return 1
+        return position - self.prompt_length + 2
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
@@ -239,12 +255,12 @@ def row_errors(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
                   tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
     """Compare dump A against reference dump B, position by position, in computation order."""
-    ids_a, ids_b = read_meta(dir_a)["token_ids"], read_meta(dir_b)["token_ids"]
+    meta_a, meta_b = read_meta(dir_a), read_meta(dir_b)
+    ids_a, ids_b = meta_a["token_ids"], meta_b["token_ids"]
     positions = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
-    if positions == 0:
-        raise MlxLlamaError(f"{dir_a} and {dir_b} start with different token ids; nothing to compare")
-    notes = []
+    notes, token_divergence = [], None
     if positions < min(len(ids_a), len(ids_b)):
+        token_divergence = (positions, ids_a[positions], ids_b[positions])
         notes.append(f"the token ids differ from position {positions} on; only the positions before it are compared")
     elif positions < max(len(ids_a), len(ids_b)):
         notes.append(f"the dumps have {len(ids_a)} and {len(ids_b)} positions; the first {positions} are compared")
@@ -258,15 +274,16 @@ def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
         if a.shape != b.shape:
             raise MlxLlamaError(f"{name}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
         # A NaN or infinity on either side counts as the largest possible error.
-        errors = np.nan_to_num(row_errors(a, b), nan=np.inf, posinf=np.inf)
+        errors = np.nan_to_num(row_errors(a, b), nan=np.inf, posinf=np.inf) if positions else np.zeros(0)
         over = np.flatnonzero(errors > tolerance)
-        worst = int(np.argmax(errors))
+        worst = int(np.argmax(errors)) if positions else 0
         first = int(over[0]) if len(over) else None
         first_error = None if first is None else float(errors[first])
-        layers.append(LayerDiff(name, float(errors[worst]), worst, first, first_error))
+        layers.append(LayerDiff(name, float(errors[worst]) if positions else 0.0, worst, first, first_error))
     if not layers:
         raise MlxLlamaError(f"{dir_a} and {dir_b} have no tensor in common")
-    return Comparison(tolerance, positions, layers, notes)
+    prompt_length = meta_b.get("prompt_length", meta_a.get("prompt_length"))
+    return Comparison(tolerance, positions, layers, notes, prompt_length, token_divergence)
 
 
 # ---- text reports ----------------------------------------------------------------------------
@@ -296,10 +313,18 @@ def format_comparison(comparison: Comparison, dir_a: str, dir_b: str) -> str:
     for d in comparison.layers:
         over = "-" if d.first_diverging is None else str(d.first_diverging)
         lines.append(f"  {stats_label(d.name):<10} {d.max_error:11.4g} {d.position:>5}  {over}")
-    first = comparison.first_divergence
-    if first is None:
-        lines.append(f"no divergence: every position of every layer is within {comparison.tolerance:g}")
-    else:
+    first, tokens = comparison.first_divergence, comparison.token_divergence
+    if first is not None:
+        position = first.first_diverging
         lines.append(f"first divergence: layer {stats_label(first.name)} ({first.name}.npy) at position "
-                     f"{first.first_diverging}: error {first.first_error:.4g} > {comparison.tolerance:g}")
+                     f"{position} (step {comparison.step(position)}): error {first.first_error:.4g} > {comparison.tolerance:g}")
+    elif tokens is not None:
+        position, ours, theirs = tokens
+        where = ("the prompt's tokens (the tokenizer or the template)" if comparison.step(position) == 1 else
+                 "the token the step before chose (the head, its logits or the sampling)")
+        lines.append(f"first divergence: the token ids at position {position} (step {comparison.step(position)}):"
+                     f" {ours} in {dir_a}, {theirs} in {dir_b}, every layer within {comparison.tolerance:g} before it;"
+                     f" look at {where}")
+    else:
+        lines.append(f"no divergence: every position of every layer is within {comparison.tolerance:g}")
     return "\n".join(lines)

@@ -2,25 +2,32 @@
 
 Run with a Python that has llama-cpp-python installed:
 
-    python scripts/dump_llama_cpp_trace.py MODEL.gguf "The capital of Italy is" DIR
-    mlxllama trace -m MODEL.gguf -p "The capital of Italy is" --no-template --dump ours
+    python scripts/dump_llama_cpp_trace.py MODEL.gguf "The capital of Italy is" DIR [--steps N] [--exact]
+    mlxllama trace -m MODEL.gguf -p "The capital of Italy is" --no-template --steps N --dump ours
     mlxllama trace --compare ours DIR
 
 The prompt is tokenized with BOS and control tokens parsed, and evaluated in one batch with
-outputs at every position. llama.cpp's graph callback (cb_eval) hands over each named tensor as
-it is computed; those that correspond to the dump's files are copied out (ggml's [hidden,
-positions] is numpy's [positions, hidden]): `embd` (`inp_embd` in some versions) -> embd, the
-first `attn_out-i` -> layer_i_attn, the first `ffn_out-i` (the MLP's output; the second is the
-residual after it) -> layer_i_mlp, and `l_out-i` -> layer_i_resid. Only the prompt is dumped, so
-trace the same prompt with --steps 1.
+outputs at every position; with --steps N, N - 1 greedy tokens are then fed back one pass each, as
+`trace --steps N` does, so a bug that lives only in decoding (a position that stops advancing) is
+found at its step. llama.cpp's graph callback (cb_eval) hands over each named tensor as it is
+computed; those that correspond to the dump's files are copied out (ggml's [hidden, positions] is
+numpy's [positions, hidden]): `embd` (`inp_embd` in some versions) -> embd, the first `attn_out-i`
+of a pass -> layer_i_attn, the first `ffn_out-i` (the MLP's output; the second is the residual
+after it) -> layer_i_mlp, and `l_out-i` -> layer_i_resid.
+
+--exact runs llama.cpp on an F32 copy of the file's dequantized weights (written with gguf-py)
+instead of the file itself: llama.cpp's quantized CPU matmuls round activations to 8 bits, which
+moves chat-tiny Q4_K_M's hidden states by up to 17% from the exact answer, while the F32 copy gives
+that answer for these weights. That is the reference `trace --compare` should be given.
 """
 
+import argparse
 import ctypes
 import json
 import re
-import sys
 from pathlib import Path
 
+import gguf
 import llama_cpp
 import llama_cpp_cpu  # noqa: F401  (must come before any Llama is created)
 import numpy as np
@@ -41,7 +48,8 @@ class _TensorHead(ctypes.Structure):
 
 _DUMPED = re.compile(r"(?:inp_)?embd|(attn_out|ffn_out|l_out)-(\d+)")
 _KIND = {"attn_out": "attn", "ffn_out": "mlp", "l_out": "resid"}
-captured: dict[str, np.ndarray] = {}
+captured: dict[str, list[np.ndarray]] = {}  # each name's rows, one array a pass
+this_pass: set[str] = set()  # the names already taken in the current pass
 
 
 def dump_name(tensor_name: str) -> str | None:
@@ -57,13 +65,14 @@ def dump_name(tensor_name: str) -> str | None:
 def on_tensor(tensor, ask, user_data):
     name = dump_name(_LIB.ggml_get_name(tensor).decode())
     head = _TensorHead.from_address(tensor)
-    if name is None or head.type != GGML_TYPE_F32 or name in captured:
+    if name is None or head.type != GGML_TYPE_F32 or name in this_pass:
         return not ask  # ask: "is this tensor wanted?"; otherwise: "go on?"
     if ask:
         return True
     data = np.empty(_LIB.ggml_nbytes(tensor) // 4, np.float32)
     _LIB.ggml_backend_tensor_get(tensor, data.ctypes.data, 0, data.nbytes)
-    captured[name] = data.reshape(head.ne[1], head.ne[0])
+    captured.setdefault(name, []).append(data.reshape(head.ne[1], head.ne[0]))
+    this_pass.add(name)
     return True
 
 
@@ -79,20 +88,66 @@ def _context_params():
 llama_cpp.llama_context_default_params = llama_cpp.llama_cpp.llama_context_default_params = _context_params
 
 
-def main(model_path: str, prompt: str, out: str) -> None:
-    llm = llama_cpp.Llama(model_path, n_ctx=512, logits_all=True, n_threads=2, verbose=False)
+def write_f32_copy(source: str, target: str) -> None:
+    """The file with every tensor dequantized to F32 (metadata as it is): llama.cpp then computes
+    in float32 throughout, with no 8-bit rounding of activations."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        value = gguf.LlamaFileType.ALL_F32 if name == "general.file_type" else field.contents()
+        if value_type == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, value_type, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, value_type)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape([int(n) for n in reversed(tensor.shape.tolist())]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main(model_path: str, prompt: str, out: str, steps: int = 1, exact: bool = False) -> None:
+    run_path = model_path
+    if exact:
+        run_path = str(Path(out).with_suffix(".f32.gguf"))
+        write_f32_copy(model_path, run_path)
+    llm = llama_cpp.Llama(run_path, n_ctx=512, logits_all=True, n_threads=2, verbose=False)
     ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+    fed = list(ids)
+    this_pass.clear()
     llm.eval(ids)
+    for _ in range(steps - 1):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        if token == llm.token_eos():
+            break
+        this_pass.clear()
+        llm.eval([token])
+        fed.append(token)
+    if exact:
+        Path(run_path).unlink()
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     for name, rows in captured.items():
-        np.save(directory / f"{name}.npy", rows)
-    meta = {"format": "mlxllama-trace", "version": 1, "model": Path(model_path).name, "token_ids": ids,
-            "prompt_length": len(ids), "producer": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
-            "dtype": "float32"}
+        np.save(directory / f"{name}.npy", np.concatenate(rows))
+    meta = {"format": "mlxllama-trace", "version": 1, "model": Path(model_path).name, "token_ids": fed,
+            "prompt_length": len(ids), "producer": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
+            + (" on an F32 copy of the weights" if exact else ""), "dtype": "float32"}
     (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    print(f"{out}: {len(captured)} tensors of {len(ids)} positions")
+    print(f"{out}: {len(captured)} tensors of {len(fed)} positions")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("prompt")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=1, help="passes, as trace --steps: the prompt, then greedy tokens")
+    parser.add_argument("--exact", action="store_true", help="run on an F32 copy of the dequantized weights")
+    args = parser.parse_args()
+    main(args.model, args.prompt, args.out, args.steps, args.exact)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from functools import lru_cache
@@ -13,10 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 import mlxllama
+import mlxllama.cache
 from conftest import REFERENCE, find_fixture_model
 from mlxllama.cli import main
 from mlxllama.errors import MlxLlamaError
-from mlxllama.trace import compare_dumps, dump_names, trace
+from mlxllama.trace import compare_dumps, dump_names, format_comparison, trace, write_dump
 
 ITALY = "The capital of Italy is"
 # llama.cpp's dumps of ITALY (BOS, no template), made by scripts/dump_llama_cpp_trace.py.
@@ -137,7 +139,7 @@ def test_compare_names_the_first_diverging_layer_and_position(cli, dump, tmp_pat
     result = cli("trace", "--compare", str(other), str(dump))
     assert result.exit_code == 1
     assert result.output.splitlines()[-1].startswith(
-        "first divergence: layer 3.attn (layer_003_attn.npy) at position 4: error 0.")
+        "first divergence: layer 3.attn (layer_003_attn.npy) at position 4 (step 1): error 0.")
 
 
 def test_differences_below_the_tolerance_are_not_divergence(cli, dump, tmp_path):
@@ -155,6 +157,7 @@ def test_compare_uses_the_positions_and_files_both_dumps_have(dump, tmp_path):
     (other / "layer_005_mlp.npy").unlink()
     comparison = compare_dumps(dump, other)
     assert comparison.positions == 7 and comparison.first_divergence is None
+    assert comparison.token_divergence == (7, meta["token_ids"][7] - 1, meta["token_ids"][7]) and comparison.diverged
     assert "layer_005_mlp" not in [d.name for d in comparison.layers]
     assert "the token ids differ from position 7 on; only the positions before it are compared" in comparison.notes
     assert any("layer_005_mlp" in note for note in comparison.notes)
@@ -208,3 +211,95 @@ def test_a_dump_cut_short_by_ctrl_c_is_refused_not_mixed_up(dump, tmp_path, monk
     assert not (target / "meta.json").exists()
     with pytest.raises(MlxLlamaError, match="meta.json"):
         compare_dumps(target, dump)
+
+
+# ---- against the exact reference, and on deliberately broken models ---------------------------------
+
+# llama.cpp on an F32 copy of chat-tiny Q4_K_M's dequantized weights (scripts/dump_llama_cpp_trace.py
+# --exact): the prompt "What is 17 plus 25?" in the file's template, then 3 greedy steps.
+EXACT = LLAMA_CPP_DUMPS / "exact-chat-tiny-Q4_K_M"
+SUM = "What is 17 plus 25?"
+PROMPT_LENGTH = 27
+
+
+def traced(tmp_path, runtime=None, ids=None, name="ours") -> Path:
+    """A dump of `runtime` (chat-tiny Q4_K_M by default) tracing SUM in its template for 4 passes."""
+    m = runtime or mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    if ids is None:
+        ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": SUM}]), special=True)
+    result = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=4, keep_hidden=True)
+    write_dump(tmp_path / name, result, len(ids), "chat-tiny", m.model)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_a_correct_model_is_within_a_tenth_of_the_tolerance_of_the_exact_reference(tmp_path, dequantize):
+    ours = traced(tmp_path, mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=dequantize))
+    comparison = compare_dumps(ours, EXACT)
+    assert comparison.positions == PROMPT_LENGTH + 3 and len(comparison.layers) == 19 and not comparison.diverged
+    assert max(d.max_error for d in comparison.layers) < comparison.tolerance / 10
+
+
+def first_divergence(tmp_path, ours) -> str:
+    """The report's verdict line; a broken layer's error reaches at least ten times the tolerance."""
+    comparison = compare_dumps(ours, EXACT)
+    assert comparison.diverged
+    if comparison.first_divergence is not None:
+        assert max(d.max_error for d in comparison.layers) >= 10 * comparison.tolerance
+    return format_comparison(comparison, "ours", "exact").splitlines()[-1]
+
+
+def broken_runtime():
+    return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
+
+
+def test_a_flipped_rope_convention_is_found_in_layer_0s_attention(tmp_path):
+    m = broken_runtime()
+    for block in m.model.blk:  # NeoX's half-split instead of the adjacent pairs llama's converter permuted for
+        block.config = dataclasses.replace(block.config, rope_traditional=not block.config.rope_traditional)
+    # Position 0 turns by no angle, so both conventions agree there; the error grows with the angle
+    # (0.015, 0.074, 0.080 at positions 1-3) and passes the tolerance at 4, reaching 2.1 at 19.
+    assert first_divergence(tmp_path, traced(tmp_path, m)).startswith(
+        "first divergence: layer 0.attn (layer_000_attn.npy) at position 4 (step 1): error")
+
+
+def test_a_transposed_layer_weight_is_found_in_that_layer(tmp_path):
+    m = broken_runtime()
+    block = m.model.blk[2]
+    block.attn_output.weight = block.attn_output.weight.T  # square, so nothing fails to load
+    assert first_divergence(tmp_path, traced(tmp_path, m)).startswith(
+        "first divergence: layer 2.attn (layer_002_attn.npy) at position 0 (step 1): error")
+
+
+def test_an_output_matrix_read_as_hidden_by_vocab_is_found_in_the_tokens_it_chooses(tmp_path):
+    m = broken_runtime()
+    vocab, hidden = m.model.output.weight.shape
+    m.model.output.weight = m.model.output.weight.reshape(hidden, vocab).T  # the same bytes, the other order
+    line = first_divergence(tmp_path, traced(tmp_path, m))
+    assert line.startswith(f"first divergence: the token ids at position {PROMPT_LENGTH} (step 2): ")
+    assert line.endswith("look at the token the step before chose (the head, its logits or the sampling)")
+
+
+def test_a_cache_position_that_stops_advancing_is_found_at_the_first_decoding_step(tmp_path, monkeypatch):
+    update = mlxllama.cache.KVCache.update_and_fetch
+
+    def stuck(self, keys, values):  # the prompt goes in; later tokens overwrite its first slot, at its position
+        offset = self.offset
+        fetched = update(self, keys, values)
+        if offset:
+            self.offset = offset
+        return fetched
+
+    m = broken_runtime()
+    ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": SUM}]), special=True)
+    monkeypatch.setattr(mlxllama.cache.KVCache, "update_and_fetch", stuck)
+    assert first_divergence(tmp_path, traced(tmp_path, m, ids)).startswith(
+        f"first divergence: layer 0.attn (layer_000_attn.npy) at position {PROMPT_LENGTH + 1} (step 3): error")
+
+
+def test_special_tokens_tokenized_as_text_are_found_in_the_prompts_tokens(tmp_path):
+    m = broken_runtime()
+    ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": SUM}]), special=False)  # "</s>" as text
+    line = first_divergence(tmp_path, traced(tmp_path, m, ids))
+    assert line.startswith("first divergence: the token ids at position 17 (step 1): ")
+    assert line.endswith("look at the prompt's tokens (the tokenizer or the template)")

@@ -257,3 +257,24 @@ def test_no_webui_serves_the_api_alone():
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         server.stop()
+
+
+def test_a_built_in_template_and_a_dropped_stream(page, runtime):
+    page.click("#settings-toggle")
+    page.select_option("#template", "chatml")
+    send(page, "What is the capital of Japan?")
+    chatml = choose_template(runtime.chat_template, "chatml")
+    expected = build_prompt(runtime.tokenizer, chatml, messages_for("What is the capital of Japan?", None))
+    assert replies(page) == [runtime.generate(expected.ids, max_tokens=256).text]
+    panel = page.locator("details.fed").last
+    assert panel.locator(".template-name").text_content() == "template: chatml"
+    assert [int(i.text_content()) for i in panel.locator(".ids span").all()] == expected.ids
+
+    def cut_off(route):  # a stream that stops after some text, with no finish_reason and no [DONE]
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Half a rep"}, "finish_reason": None}]}
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=f"data: {json.dumps(chunk)}\n\n")
+
+    page.route("**/v1/chat/completions", cut_off)
+    send(page, "Tell me more.")
+    assert replies(page)[-1] == "Half a rep"  # what came is kept, and the break is said
+    assert "stream ended before the reply did" in page.locator(".error-text").last.text_content()
