@@ -278,3 +278,18 @@ def test_a_built_in_template_and_a_dropped_stream(page, runtime):
     send(page, "Tell me more.")
     assert replies(page)[-1] == "Half a rep"  # what came is kept, and the break is said
     assert "stream ended before the reply did" in page.locator(".error-text").last.text_content()
+
+
+def test_stop_strings_and_the_sampling_settings_reach_the_server(page):
+    requests = []
+    page.on("request", lambda request: requests.append(request.post_data_json) if request.url.endswith(
+        "/v1/chat/completions") else None)
+    page.click("#settings-toggle")
+    page.fill("#stop", "Tokyo")
+    for field, value in (("top_p", "0.9"), ("top_k", "40"), ("min_p", "0.05"), ("max_tokens", "64"), ("seed", "7")):
+        page.fill(f"#{field}", value)
+    send(page, "What is the capital of Japan?")
+    assert replies(page) == ["The capital of Japan is "]
+    body = requests[-1]
+    assert (body["stop"], body["top_p"], body["top_k"], body["min_p"], body["max_tokens"], body["seed"]) == (
+        ["Tokyo"], 0.9, 40, 0.05, 64, 7)
