@@ -620,6 +620,9 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--steps", default=1, show_default=True,
               help="Forward passes: the prompt, then each greedy token fed back (each predicts one token).")
 @click.option("--top-k", "top_k", default=5, show_default=True, help="Likeliest next tokens shown after each pass.")
+@click.option("--attention", is_flag=True,
+              help="Attend through an explicit softmax and report each head's: entropy, largest weight and its"
+                   " position, weight on BOS and on the last 16 positions; collapsed heads; dropped positions.")
 @click.option("--dump", "dump_dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Write every layer's hidden states to DIR as .npy files (format: see above).")
 @click.option("--compare", nargs=2, metavar="DIR_A DIR_B", type=click.Path(file_okay=False, exists=True),
@@ -628,7 +631,7 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
               help="--compare: the largest relative error ||a - b|| / ||b|| of one position's hidden state.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text report.")
 def trace_command(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-                  show_prompt, steps, top_k, dump_dir, compare, tolerance, as_json):
+                  show_prompt, steps, top_k, attention, dump_dir, compare, tolerance, as_json):
     """Show what each layer computes: RMS, min, max and mean of its attention output, MLP output and
     residual stream, then the position, cache length and top-k next tokens of each pass.
 
@@ -668,7 +671,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
     if show_prompt:
         print_prompt(prompt)
     result = trace.trace(runtime.model, runtime.tokenizer, prompt.ids, runtime.new_cache(), steps, top_k,
-                         keep_hidden=bool(dump_dir))
+                         keep_hidden=bool(dump_dir), attention=attention)
     if dump_dir:
         trace.write_dump(dump_dir, result, len(prompt.ids), runtime.path, runtime.model)
     if as_json:

@@ -67,6 +67,28 @@ class Candidate:
 
 
 @dataclass
+class HeadStats:
+    """One head's softmax for one query position."""
+
+    entropy: float  # in nats: 0 when all weight is on one key, ln(keys) when spread evenly
+    max_weight: float
+    max_position: int  # the position of the key that weight falls on
+    bos: float | None  # the weight on position 0; None once the cache no longer holds it
+    recent: float  # the weight on the last RECENT positions up to the query
+
+
+@dataclass
+class Attention:
+    """A pass's attention (trace --attention): each layer's heads at the pass's last query
+    position, the heads that collapsed, and the layers whose last query cannot see every earlier
+    position (its window, or positions its cache no longer holds)."""
+
+    heads: list[list[HeadStats]]  # [layer][head]
+    collapsed: list[tuple[int, int]]  # (layer, head): one weight over COLLAPSED for every query of a pass of several
+    unseen: list[tuple[int, int, int, int]]  # (layer, first position seen, last position, window or 0)
+
+
+@dataclass
 class Pass:
     """One forward call: the prompt (prefill) or one generated token fed back."""
 
@@ -75,6 +97,7 @@ class Pass:
     cache_length: int  # positions in the cache after this pass
     stats: dict[str, Stats]  # by dump name ("embd", "layer_000_attn", ...), in computation order
     top: list[Candidate]  # the likeliest next tokens after this pass, best first
+    attention: Attention | None = None
 
 
 @dataclass
@@ -82,10 +105,58 @@ class Trace:
     passes: list[Pass]
     # Per dump name ("embd", "layer_000_attn", ...), float32 [positions, hidden]; kept only when dumping.
     hidden: dict[str, np.ndarray] = field(default_factory=dict)
+    # With attention and dumping: every query position's head stats, [position][layer][head].
+    attention: list[list[list[HeadStats]]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
         return [t for p in self.passes for t in p.token_ids]
+
+
+# Weight on the last this-many positions is reported as "recent"; a softmax whose largest weight
+# is over COLLAPSED for every query (with at least two keys to choose from) has collapsed.
+RECENT = 16
+COLLAPSED = 0.99
+
+
+def head_stats(weights: np.ndarray, key_positions: np.ndarray, query_position: int) -> list[HeadStats]:
+    """weights [heads, keys] (a query's softmax over the keys at `key_positions`) -> each head's stats."""
+    w = weights.astype(np.float64)
+    entropy = -(w * np.log(np.where(w > 0, w, 1))).sum(axis=-1)
+    best = w.argmax(axis=-1)
+    holds_bos = bool(len(key_positions)) and key_positions.min() == 0
+    recent = w[:, key_positions > query_position - RECENT].sum(axis=-1)
+    return [HeadStats(float(entropy[h]), float(w[h, best[h]]), int(key_positions[best[h]]),
+                      float(w[h, key_positions == 0].sum()) if holds_bos else None, float(recent[h]))
+            for h in range(w.shape[0])]
+
+
+def attention_of(probes: list[list[mx.array]], cache: list[KVCache], windows: list[int],
+                 first_position: int) -> tuple[Attention, list]:
+    """A pass's Attention from each layer's weights [1, heads, length, keys], and every query
+    position's head stats (for dumps): [position][layer][head]."""
+    heads, collapsed, unseen, per_position = [], [], [], []
+    for layer, (weights, layer_cache, window) in enumerate(zip((p[0] for p in probes), cache, windows)):
+        w = np.array(weights[0].astype(mx.float32))  # [heads, length, keys]
+        positions, slots = layer_cache.held()
+        key_positions = np.empty(w.shape[-1], dtype=np.int64)
+        key_positions[slots] = positions
+        length = w.shape[1]
+        rows = [head_stats(w[:, q], key_positions, first_position + q) for q in range(length)]
+        per_position.append(rows)
+        heads.append(rows[-1])
+        # A query that sees a single key (the first position) has no choice to make: it is left
+        # out, and a pass with fewer than two queries that choose (a decoding step) is no evidence.
+        choosing = first_position + np.arange(length) > key_positions.min()
+        if choosing.sum() > 1:
+            largest = w[:, choosing].max(axis=-1)  # [heads, queries that choose]
+            collapsed += [(layer, h) for h in range(w.shape[0]) if (largest[h] > COLLAPSED).all()]
+        last = first_position + length - 1
+        seen = max(int(positions[0]), last - window + 1 if window else 0)
+        if seen > 0:
+            unseen.append((layer, seen, last, window))
+    per_position = [[per_position[layer][q] for layer in range(len(per_position))] for q in range(len(per_position[0]))]
+    return Attention(heads, collapsed, unseen), per_position
 
 
 def stats_of(x: mx.array) -> Stats:
@@ -130,30 +201,43 @@ def top_candidates(logits: mx.array, tokenizer: Tokenizer, k: int) -> list[Candi
 
 
 def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], cache: list[KVCache],
-          steps: int = 1, top_k: int = 5, keep_hidden: bool = False) -> Trace:
+          steps: int = 1, top_k: int = 5, keep_hidden: bool = False, attention: bool = False) -> Trace:
     """Prefill prompt_ids, then feed back `steps - 1` greedy tokens, recording every pass.
 
     Each pass predicts one token, so `steps` passes give `steps` predictions; generation stops
-    early at a stop token or at the end of the context.
+    early at a stop token or at the end of the context. With `attention`, every layer attends
+    through an explicit softmax whose weights each pass reports (Pass.attention; with
+    keep_hidden, every position's, as Trace.attention).
     """
     context = model.config.context_length
     check_fits(len(prompt_ids), context)
-    passes, hidden = [], {}
+    passes, hidden, per_position = [], {}, []
     ids = list(prompt_ids)
-    while True:
-        first_position = cache[0].offset
-        logits, pieces = _traced_forward(model, ids, cache)
-        mx.eval(logits, pieces)
-        passes.append(Pass(ids, first_position, cache[0].offset, {n: stats_of(x) for n, x in pieces.items()},
-                           top_candidates(logits[-1], tokenizer, top_k)))
-        if keep_hidden:
-            for name, x in pieces.items():
-                hidden.setdefault(name, []).append(np.array(x.astype(mx.float32)))
-        token = passes[-1].top[0].token_id
-        if len(passes) >= steps or token in tokenizer.stop_ids or cache[0].offset >= context:
-            break
-        ids = [token]
-    return Trace(passes, {name: np.concatenate(rows) for name, rows in hidden.items()})
+    try:
+        while True:
+            first_position = cache[0].offset
+            for block in model.blk:
+                block._attention_probe = [] if attention else None
+            logits, pieces = _traced_forward(model, ids, cache)
+            mx.eval(logits, pieces)
+            passes.append(Pass(ids, first_position, cache[0].offset, {n: stats_of(x) for n, x in pieces.items()},
+                               top_candidates(logits[-1], tokenizer, top_k)))
+            if attention:
+                probes, windows = [b._attention_probe for b in model.blk], [b.window for b in model.blk]
+                passes[-1].attention, rows = attention_of(probes, cache, windows, first_position)
+                per_position += rows
+            if keep_hidden:
+                for name, x in pieces.items():
+                    hidden.setdefault(name, []).append(np.array(x.astype(mx.float32)))
+            token = passes[-1].top[0].token_id
+            if len(passes) >= steps or token in tokenizer.stop_ids or cache[0].offset >= context:
+                break
+            ids = [token]
+    finally:
+        for block in model.blk:
+            block._attention_probe = None
+    return Trace(passes, {name: np.concatenate(rows) for name, rows in hidden.items()},
+                 per_position if keep_hidden else [])
 
 
 def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, model_path: str,
@@ -165,6 +249,13 @@ def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, 
         (out / "meta.json").unlink(missing_ok=True)
         for name, rows in result.hidden.items():
             np.save(out / f"{name}.npy", rows.astype(np.float32))
+        if result.attention:
+            # [positions, heads, 5]: entropy, max weight, its position, weight on BOS (NaN once
+            # dropped), weight on the last RECENT positions
+            for layer in range(len(result.attention[0])):
+                rows = [[(h.entropy, h.max_weight, h.max_position, np.nan if h.bos is None else h.bos, h.recent)
+                         for h in position[layer]] for position in result.attention]
+                np.save(out / f"layer_{layer:03d}_attention.npy", np.array(rows, dtype=np.float32))
         meta = {
             "format": DUMP_FORMAT, "version": DUMP_VERSION, "model": model_path, "token_ids": result.token_ids,
             "prompt_length": prompt_length, "n_layers": model.config.n_layers,
@@ -300,9 +391,30 @@ def format_pass(number: int, result: Pass, tokenizer: Tokenizer) -> str:
              f"  {'layer':<10} {'rms':>11} {'min':>11} {'max':>11} {'mean':>11}"]
     for name, s in result.stats.items():
         lines.append(f"  {stats_label(name):<10} {s.rms:11.5g} {s.min:11.5g} {s.max:11.5g} {s.mean:11.5g}")
+    if result.attention is not None:
+        lines += format_attention(result.attention, result.cache_length - 1)
     lines.append("  next: " + " | ".join(
         f"{c.token_id} {json.dumps(c.text, ensure_ascii=False)} {c.logit:.4f}" for c in result.top))
     return "\n".join(lines)
+
+
+def format_attention(attention: Attention, query_position: int) -> list[str]:
+    lines = [f"  attention of position {query_position}:",
+             f"  {'head':<10} {'entropy':>8} {'max':>7} {'at':>6} {'BOS':>7} {f'last {RECENT}':>8}"]
+    for layer, heads in enumerate(attention.heads):
+        for h, s in enumerate(heads):
+            bos = "-" if s.bos is None else f"{s.bos:.3f}"
+            lines.append(f"  {f'{layer}.{h}':<10} {s.entropy:8.3f} {s.max_weight:7.3f} {s.max_position:>6} {bos:>7}"
+                         f" {s.recent:8.3f}")
+    if attention.collapsed:
+        lines.append(f"  collapsed: {', '.join(f'{l}.{h}' for l, h in attention.collapsed)} (one weight over"
+                     f" {COLLAPSED} for every query of the pass)")
+    else:
+        lines.append("  collapsed: none")
+    for layer, first, last, window in attention.unseen:
+        why = f"its window of {window}" if window and first == last - window + 1 else "its cache holds no earlier one"
+        lines.append(f"  unseen: layer {layer} sees positions {first}-{last} only ({why})")
+    return lines
 
 
 def format_comparison(comparison: Comparison, dir_a: str, dir_b: str) -> str:

@@ -88,6 +88,9 @@ class Block(nn.Module):
         self._activation = nn.gelu_approx if config.ffn_activation == "gelu" else nn.silu
         # Transformer.attend_prefill_explicitly sets this (runtime.load, on CUDA).
         self._explicit_prefill = False
+        # `trace --attention`: a list that each pass's attention weights are appended to, computed
+        # by an explicit softmax (the fused kernel does not expose them); None: the fused kernel.
+        self._attention_probe: list | None = None
 
     @property
     def window(self) -> int:
@@ -119,7 +122,13 @@ class Block(nn.Module):
             q, k = q * scale, k * scale
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if isinstance(k, tuple):  # stored quantized: MLX's fused kernel does not read that
+        if self._attention_probe is not None:
+            keys, values = (mx.dequantize(*b, group_size=cache.quantization.group_size, bits=cache.quantization.bits)
+                            for b in (k, v)) if isinstance(k, tuple) else (k, v)
+            weights = attention_weights(q, keys, self._attention_scale, mask)
+            self._attention_probe.append(weights)
+            out = weights_times_values(weights, values)
+        elif isinstance(k, tuple):  # stored quantized: MLX's fused kernel does not read that
             out = explicit_attention(q, k, v, self._attention_scale, mask, cache.quantization)
         elif self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
             out = explicit_attention(q, k, v, self._attention_scale, mask)
@@ -315,12 +324,8 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
         scores = mx.quantized_matmul(q * scale, *k, transpose=True, **product).astype(mx.float32)
     else:
         scores = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
-    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
-        mask = visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
+    mask = grouped_mask(mask, kv_heads, groups, length, keys)
     if mask is not None:
-        if mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
-            mask = mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
-                mask.shape[0], kv_heads, groups, length, keys)
         scores = mx.where(mask, scores, -mx.inf)
     if quantization:
         weights = mx.softmax(scores, axis=-1).astype(q.dtype)
@@ -328,6 +333,38 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     else:
         out = mx.softmax(scores, axis=-1).astype(v.dtype) @ v
     return out.reshape(batch, heads, length, head_dim)
+
+
+def attention_weights(q: mx.array, k: mx.array, scale: float, mask) -> mx.array:
+    """softmax(q kᵀ × scale + mask) in float32, [batch, heads, length, keys]: what each query
+    position's heads give each key (k may have fewer heads: grouped-query attention)."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    q = q.reshape(batch, kv_heads, heads // kv_heads, length, head_dim).astype(mx.float32)
+    scores = (q * scale) @ k[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    mask = grouped_mask(mask, kv_heads, heads // kv_heads, length, keys)
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    return mx.softmax(scores, axis=-1).reshape(batch, heads, length, keys)
+
+
+def grouped_mask(mask, kv_heads: int, groups: int, length: int, keys: int):
+    """The fused kernel's mask (None, "causal", or booleans broadcasting to [batch, heads, length,
+    keys]) as booleans for scores grouped [batch, kv_heads, groups, length, keys], or None."""
+    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+        return visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
+    if mask is not None and mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
+        return mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
+            mask.shape[0], kv_heads, groups, length, keys)
+    return mask
+
+
+def weights_times_values(weights: mx.array, v: mx.array) -> mx.array:
+    """Attention's output from its weights [batch, heads, length, keys] and values [batch, kv_heads, keys, head_dim]."""
+    batch, heads, length, keys = weights.shape
+    kv_heads = v.shape[1]
+    grouped = weights.reshape(batch, kv_heads, heads // kv_heads, length, keys).astype(v.dtype)
+    return (grouped @ v[:, :, None]).reshape(batch, heads, length, v.shape[-1])
 
 
 def quantized_products_run(head_dim: int, quantization: KVQuantization) -> bool:

@@ -303,3 +303,63 @@ def test_special_tokens_tokenized_as_text_are_found_in_the_prompts_tokens(tmp_pa
     line = first_divergence(tmp_path, traced(tmp_path, m, ids))
     assert line.startswith("first divergence: the token ids at position 17 (step 1): ")
     assert line.endswith("look at the prompt's tokens (the tokenizer or the template)")
+
+
+# ---- attention (trace --attention) ----------------------------------------------------------------
+
+
+def test_the_explicit_softmax_path_gives_the_fused_kernels_output():
+    """--attention swaps the fused kernel for an explicit softmax; the hidden states and logits it
+    leads to are the fused path's within 1e-4 relative (float32 on the CPU; measured about 1e-6)."""
+    m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": SUM}]), special=True)
+    fused = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=3, keep_hidden=True)
+    explicit = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=3, keep_hidden=True, attention=True)
+    assert explicit.token_ids == fused.token_ids
+    for name, rows in fused.hidden.items():
+        assert np.abs(explicit.hidden[name] - rows).max() <= 1e-4 * np.abs(rows).max(), name
+    assert all(block._attention_probe is None for block in m.model.blk)  # the model is left as it was
+
+
+@pytest.mark.parametrize("heads, kv_heads, length, keys", [(8, 2, 5, 9), (4, 4, 1, 7)])
+def test_attention_weights_are_the_float64_softmax(heads, kv_heads, length, keys):
+    from mlxllama.models.transformer import attention_weights
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, heads, length, 32)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, keys, 32)).astype(np.float32)
+    weights = np.array(attention_weights(mx.array(q), mx.array(k), 32**-0.5, "causal"))
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k, heads // kv_heads, axis=1)) * 32**-0.5
+    visible = np.arange(keys)[None, :] <= keys - length + np.arange(length)[:, None]
+    scores = np.where(visible, scores, -np.inf)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(weights, expected, atol=1e-6)
+
+
+def test_attention_reports_every_head_and_flags_a_collapsed_softmax(tmp_path):
+    m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    ids = m.tokenize(m.apply_chat_template([{"role": "user", "content": SUM}]), special=True)
+    result = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=2, attention=True)
+    first = result.passes[0].attention
+    assert [len(heads) for heads in first.heads] == [8] * 6 and first.collapsed == []
+    head = first.heads[0][0]
+    assert 0 < head.entropy < np.log(len(ids)) and head.bos is not None and 0 <= head.recent <= 1
+    m.model.blk[3]._attention_scale *= 1000  # scores so large that every softmax is one-hot
+    broken = trace(m.model, m.tokenizer, ids, m.new_cache(), steps=1, attention=True).passes[0].attention
+    # every head of layer 3 but one whose top keys tie (a repeated token's keys are equal)
+    assert len(broken.collapsed) >= 7 and {layer for layer, _ in broken.collapsed} == {3}
+
+
+def test_attention_names_the_positions_a_sliding_window_dropped(tmp_path):
+    model = find_fixture_model("gemma3-tiny-Q8_0.gguf")  # a window of 32 on 5 of its 6 layers
+    prompt = " ".join(["word"] * 60)
+    result = CliRunner().invoke(main, ["trace", "-m", str(model), "-p", prompt, "--no-template", "--attention",
+                                       "--dump", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    assert "unseen: layer 0 sees positions 29-60 only (its window of 32)" in result.output
+    assert "unseen: layer 5" not in result.output  # the global layer sees the whole prompt
+    rows = np.load(tmp_path / "d" / "layer_000_attention.npy")
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert rows.shape == (len(meta["token_ids"]), 4, 5)
+    assert (rows[-1, :, 3] == 0).all() and (rows[0, :, 3] == 1).all()  # BOS outside the window by the end
