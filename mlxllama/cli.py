@@ -620,6 +620,11 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--steps", default=1, show_default=True,
               help="Forward passes: the prompt, then each greedy token fed back (each predicts one token).")
 @click.option("--top-k", "top_k", default=5, show_default=True, help="Likeliest next tokens shown after each pass.")
+@click.option("--plot", "plot_path", metavar="FILE", help="With --compare: every layer's error at every position,"
+              " as a heatmap; with --attention: a head's weights (--plot-head). .png, .svg or .html; needs"
+              ' matplotlib (pip install "mlxllama[plot]").')
+@click.option("--plot-head", default="0.0", show_default=True, metavar="LAYER.HEAD",
+              help="With --attention --plot: the head whose prompt weights are drawn.")
 @click.option("--attention", is_flag=True,
               help="Attend through an explicit softmax and report each head's: entropy, largest weight and its"
                    " position, weight on BOS and on the last 16 positions; collapsed heads; dropped positions.")
@@ -631,7 +636,7 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
               help="--compare: the largest relative error ||a - b|| / ||b|| of one position's hidden state.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text report.")
 def trace_command(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-                  show_prompt, steps, top_k, attention, dump_dir, compare, tolerance, as_json):
+                  show_prompt, steps, top_k, plot_path, plot_head, attention, dump_dir, compare, tolerance, as_json):
     """Show what each layer computes: RMS, min, max and mean of its attention output, MLP output and
     residual stream, then the position, cache length and top-k next tokens of each pass.
 
@@ -653,12 +658,23 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         if prompt_text is not None or dump_dir:
             raise MlxLlamaError("--compare takes two dump directories, not --prompt or --dump")
         comparison = trace.compare_dumps(compare[0], compare[1], tolerance)
+        if plot_path:
+            from .trace_plot import plot_comparison
+
+            plot_comparison(comparison, *compare, plot_path)
         click.echo(json.dumps(asdict(comparison)) if as_json else trace.format_comparison(comparison, *compare))
         sys.exit(1 if comparison.diverged else 0)
     if prompt_text is None:
         raise MlxLlamaError("trace needs --prompt (or --compare DIR_A DIR_B)")
     if steps < 1 or top_k < 1:
         raise MlxLlamaError("--steps and --top-k must be at least 1")
+    if plot_path and not attention:
+        raise MlxLlamaError("--plot draws a comparison (with --compare) or attention weights (with --attention)")
+    if plot_path:
+        from .trace_plot import check_plot_path, pyplot
+
+        check_plot_path(plot_path)
+        pyplot()  # the missing extra is said before the model loads
     if prompt_text == "-":
         prompt_text = sys.stdin.read()
     check_no_template(no_template, system, False, template_name, template_file)
@@ -674,6 +690,11 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
                          keep_hidden=bool(dump_dir), attention=attention)
     if dump_dir:
         trace.write_dump(dump_dir, result, len(prompt.ids), runtime.path, runtime.model)
+    if plot_path:
+        from .trace_plot import plot_attention
+
+        layer, head = parse_head(plot_head, [w.shape[0] for w in result.prompt_weights])
+        plot_attention(result.prompt_weights[layer][head], layer, head, 0, plot_path)
     if as_json:
         click.echo(json.dumps({"model": runtime.path, "template": prompt.template, "prompt_ids": prompt.ids,
                                "passes": [asdict(p) for p in result.passes]}, ensure_ascii=False))
@@ -683,6 +704,17 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         click.echo(trace.format_pass(number, one_pass, runtime.tokenizer))
     if dump_dir:
         click.echo(f"dump: {dump_dir} ({len(result.token_ids)} positions)")
+
+
+def parse_head(text: str, heads: list[int]) -> tuple[int, int]:
+    """--plot-head LAYER.HEAD, checked against the model's layers and their heads."""
+    try:
+        layer, head = (int(part) for part in text.split("."))
+    except ValueError:
+        raise MlxLlamaError(f"--plot-head: expected LAYER.HEAD (e.g. 3.5), got {text!r}") from None
+    if not 0 <= layer < len(heads) or not 0 <= head < heads[layer]:
+        raise MlxLlamaError(f"--plot-head {text}: the model has {len(heads)} layers of {heads[0]} heads")
+    return layer, head
 
 
 @main.command("perplexity")

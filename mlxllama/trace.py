@@ -107,6 +107,8 @@ class Trace:
     hidden: dict[str, np.ndarray] = field(default_factory=dict)
     # With attention and dumping: every query position's head stats, [position][layer][head].
     attention: list[list[list[HeadStats]]] = field(default_factory=list)
+    # With attention: the prompt pass's weights, a float32 [heads, queries, keys] a layer (for --plot).
+    prompt_weights: list[np.ndarray] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -211,7 +213,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], c
     """
     context = model.config.context_length
     check_fits(len(prompt_ids), context)
-    passes, hidden, per_position = [], {}, []
+    passes, hidden, per_position, prompt_weights = [], {}, [], []
     ids = list(prompt_ids)
     try:
         while True:
@@ -224,6 +226,8 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], c
                                top_candidates(logits[-1], tokenizer, top_k)))
             if attention:
                 probes, windows = [b._attention_probe for b in model.blk], [b.window for b in model.blk]
+                if len(passes) == 1:
+                    prompt_weights = [np.array(p[0][0].astype(mx.float32)) for p in probes]
                 passes[-1].attention, rows = attention_of(probes, cache, windows, first_position)
                 per_position += rows
             if keep_hidden:
@@ -237,7 +241,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt_ids: Sequence[int], c
         for block in model.blk:
             block._attention_probe = None
     return Trace(passes, {name: np.concatenate(rows) for name, rows in hidden.items()},
-                 per_position if keep_hidden else [])
+                 per_position if keep_hidden else [], prompt_weights)
 
 
 def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, model_path: str,
@@ -343,6 +347,17 @@ def row_errors(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.linalg.norm(a - b, axis=1) / scale
 
 
+def layer_errors(dir_a: str | os.PathLike, dir_b: str | os.PathLike, name: str, positions: int) -> np.ndarray:
+    """Tensor `name`'s relative error at each of the first `positions` positions; a NaN or an
+    infinity on either side counts as the largest possible error."""
+    if not positions:
+        return np.zeros(0)
+    a, b = _load_rows(dir_a, name, positions), _load_rows(dir_b, name, positions)
+    if a.shape != b.shape:
+        raise MlxLlamaError(f"{name}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
+    return np.nan_to_num(row_errors(a, b), nan=np.inf, posinf=np.inf)
+
+
 def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
                   tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
     """Compare dump A against reference dump B, position by position, in computation order."""
@@ -361,11 +376,7 @@ def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
         notes.append(f"in one dump only, not compared: {', '.join(only)}")
     layers = []
     for name in (n for n in names_a if n in names_b):
-        a, b = _load_rows(dir_a, name, positions), _load_rows(dir_b, name, positions)
-        if a.shape != b.shape:
-            raise MlxLlamaError(f"{name}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
-        # A NaN or infinity on either side counts as the largest possible error.
-        errors = np.nan_to_num(row_errors(a, b), nan=np.inf, posinf=np.inf) if positions else np.zeros(0)
+        errors = layer_errors(dir_a, dir_b, name, positions)
         over = np.flatnonzero(errors > tolerance)
         worst = int(np.argmax(errors)) if positions else 0
         first = int(over[0]) if len(over) else None

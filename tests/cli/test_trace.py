@@ -363,3 +363,41 @@ def test_attention_names_the_positions_a_sliding_window_dropped(tmp_path):
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert rows.shape == (len(meta["token_ids"]), 4, 5)
     assert (rows[-1, :, 3] == 0).all() and (rows[0, :, 3] == 1).all()  # BOS outside the window by the end
+
+
+# ---- pictures (trace --plot) --------------------------------------------------------------------
+
+
+def test_the_heatmap_marks_the_first_wrong_layer_and_position(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mlxllama.trace_plot import plot_comparison
+
+    m = broken_runtime()
+    for block in m.model.blk:
+        block.config = dataclasses.replace(block.config, rope_traditional=not block.config.rope_traditional)
+    comparison = compare_dumps(traced(tmp_path, m), EXACT)
+    assert plot_comparison(comparison, str(tmp_path / "ours"), str(EXACT), tmp_path / "e.png") == (1, 4)  # 0.attn
+    assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")
+    correct = compare_dumps(traced(tmp_path, name="correct"), EXACT)
+    assert plot_comparison(correct, str(tmp_path / "correct"), str(EXACT), tmp_path / "e.html") is None
+    assert "<svg" in (tmp_path / "e.html").read_text()
+
+
+def test_attention_plots_and_their_errors(cli, tmp_path):
+    pytest.importorskip("matplotlib")
+    result = cli("trace", "-p", SUM, "--attention", "--plot", str(tmp_path / "a.svg"), "--plot-head", "2.3")
+    assert result.exit_code == 0, result.output
+    assert "attention of layer 2, head 3" in (tmp_path / "a.svg").read_text()
+    for args, message in ((["--attention", "--plot-head", "6.0"], "--plot-head 6.0: the model has 6 layers of 8 heads"),
+                          ([], "--plot draws a comparison (with --compare) or attention weights (with --attention)")):
+        result = cli("trace", "-p", SUM, "--plot", str(tmp_path / "b.png"), *args)
+        assert result.exit_code == 2 and f"mlxllama: error: {message}" in result.output, result.output
+    result = cli("trace", "-p", SUM, "--attention", "--plot", str(tmp_path / "b.pdf"))
+    assert result.exit_code == 2 and "the file must end in .png, .svg, .html" in result.output
+
+
+def test_plotting_without_matplotlib_names_the_extra(cli, tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    result = cli("trace", "-p", SUM, "--attention", "--plot", str(tmp_path / "a.png"))
+    assert result.exit_code == 2
+    assert result.output.strip() == 'mlxllama: error: --plot needs matplotlib: pip install "mlxllama[plot]"'
