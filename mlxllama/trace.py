@@ -262,7 +262,8 @@ def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, 
                 np.save(out / f"layer_{layer:03d}_attention.npy", np.array(rows, dtype=np.float32))
         meta = {
             "format": DUMP_FORMAT, "version": DUMP_VERSION, "model": model_path, "token_ids": result.token_ids,
-            "prompt_length": prompt_length, "n_layers": model.config.n_layers,
+            "prompt_length": prompt_length, "context_length": model.config.context_length,
+            "n_layers": model.config.n_layers,
             "hidden_size": model.config.hidden_size, "dtype": "float32",
         }
         write_text_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")
@@ -370,6 +371,10 @@ def compare_dumps(dir_a: str | os.PathLike, dir_b: str | os.PathLike,
         notes.append(f"the token ids differ from position {positions} on; only the positions before it are compared")
     elif positions < max(len(ids_a), len(ids_b)):
         notes.append(f"the dumps have {len(ids_a)} and {len(ids_b)} positions; the first {positions} are compared")
+    contexts = meta_a.get("context_length"), meta_b.get("context_length")
+    if None not in contexts and contexts[0] != contexts[1]:
+        notes.append(f"the dumps were made at contexts of {contexts[0]} and {contexts[1]} tokens: a model whose RoPE"
+                     " depends on the context (Phi-3's LongRoPE) differs for that alone; trace with --ctx")
     names_a, names_b = dump_names(dir_a), dump_names(dir_b)
     only = sorted(set(names_a) ^ set(names_b))
     if only:

@@ -2,8 +2,8 @@
 
 Run with a Python that has llama-cpp-python installed:
 
-    python scripts/dump_llama_cpp_trace.py MODEL.gguf "The capital of Italy is" DIR [--steps N] [--exact]
-    mlxllama trace -m MODEL.gguf -p "The capital of Italy is" --no-template --steps N --dump ours
+    python scripts/dump_llama_cpp_trace.py MODEL.gguf "The capital of Italy is" DIR [--steps N] [--exact] [--ctx 512]
+    mlxllama trace -m MODEL.gguf -p "The capital of Italy is" --no-template --steps N --ctx 512 --dump ours
     mlxllama trace --compare ours DIR
 
 The prompt is tokenized with BOS and control tokens parsed, and evaluated in one batch with
@@ -46,8 +46,12 @@ class _TensorHead(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4)]
 
 
-_DUMPED = re.compile(r"(?:inp_)?embd|(attn_out|ffn_out|l_out)-(\d+)")
-_KIND = {"attn_out": "attn", "ffn_out": "mlp", "l_out": "resid"}
+_DUMPED = re.compile(r"(?:inp_)?embd|inp_scaled|(attn_out|ffn_out|l_out|attn_post_norm|ffn_post_norm)-(\d+)")
+_KIND = {"attn_out": "attn", "ffn_out": "mlp", "l_out": "resid", "attn_post_norm": "attn", "ffn_post_norm": "mlp"}
+# Tensors that replace one taken earlier in the pass: Gemma scales its embeddings (inp_scaled) and
+# norms the attention's and the FFN's outputs (the post norms) before the residual adds, where our
+# dump takes them.
+_LATER = re.compile(r"inp_scaled|(attn_post_norm|ffn_post_norm)-\d+")
 captured: dict[str, list[np.ndarray]] = {}  # each name's rows, one array a pass
 this_pass: set[str] = set()  # the names already taken in the current pass
 
@@ -57,21 +61,26 @@ def dump_name(tensor_name: str) -> str | None:
     if not match:
         return None
     if match.group(1) is None:
-        return "embd"
+        return "embd"  # inp_embd, embd, or Gemma's inp_scaled
     return f"layer_{int(match.group(2)):03d}_{_KIND[match.group(1)]}"
 
 
 @llama_cpp.ggml_backend_sched_eval_callback
 def on_tensor(tensor, ask, user_data):
-    name = dump_name(_LIB.ggml_get_name(tensor).decode())
+    tensor_name = _LIB.ggml_get_name(tensor).decode()
+    name = dump_name(tensor_name)
     head = _TensorHead.from_address(tensor)
-    if name is None or head.type != GGML_TYPE_F32 or name in this_pass:
+    later = _LATER.fullmatch(tensor_name) is not None
+    if name is None or head.type != GGML_TYPE_F32 or (name in this_pass and not later):
         return not ask  # ask: "is this tensor wanted?"; otherwise: "go on?"
     if ask:
         return True
     data = np.empty(_LIB.ggml_nbytes(tensor) // 4, np.float32)
     _LIB.ggml_backend_tensor_get(tensor, data.ctypes.data, 0, data.nbytes)
-    captured.setdefault(name, []).append(data.reshape(head.ne[1], head.ne[0]))
+    rows = captured.setdefault(name, [])
+    if name in this_pass:
+        rows.pop()  # the later tensor is the one our dump holds
+    rows.append(data.reshape(head.ne[1], head.ne[0]))
     this_pass.add(name)
     return True
 
@@ -112,12 +121,12 @@ def write_f32_copy(source: str, target: str) -> None:
     writer.close()
 
 
-def main(model_path: str, prompt: str, out: str, steps: int = 1, exact: bool = False) -> None:
+def main(model_path: str, prompt: str, out: str, steps: int = 1, exact: bool = False, context: int = 512) -> None:
     run_path = model_path
     if exact:
         run_path = str(Path(out).with_suffix(".f32.gguf"))
         write_f32_copy(model_path, run_path)
-    llm = llama_cpp.Llama(run_path, n_ctx=512, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(run_path, n_ctx=context, logits_all=True, n_threads=2, verbose=False)
     ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
     fed = list(ids)
     this_pass.clear()
@@ -136,7 +145,7 @@ def main(model_path: str, prompt: str, out: str, steps: int = 1, exact: bool = F
     for name, rows in captured.items():
         np.save(directory / f"{name}.npy", np.concatenate(rows))
     meta = {"format": "mlxllama-trace", "version": 1, "model": Path(model_path).name, "token_ids": fed,
-            "prompt_length": len(ids), "producer": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
+            "prompt_length": len(ids), "context_length": context, "producer": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
             + (" on an F32 copy of the weights" if exact else ""), "dtype": "float32"}
     (directory / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     print(f"{out}: {len(captured)} tensors of {len(fed)} positions")
@@ -149,5 +158,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=1, help="passes, as trace --steps: the prompt, then greedy tokens")
     parser.add_argument("--exact", action="store_true", help="run on an F32 copy of the dequantized weights")
+    parser.add_argument("--ctx", type=int, default=512, help="llama.cpp's n_ctx: trace the same --ctx (it picks"
+                        " Phi-3's LongRoPE factors)")
     args = parser.parse_args()
-    main(args.model, args.prompt, args.out, args.steps, args.exact)
+    main(args.model, args.prompt, args.out, args.steps, args.exact, args.ctx)

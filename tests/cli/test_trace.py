@@ -401,3 +401,26 @@ def test_plotting_without_matplotlib_names_the_extra(cli, tmp_path, monkeypatch)
     result = cli("trace", "-p", SUM, "--attention", "--plot", str(tmp_path / "a.png"))
     assert result.exit_code == 2
     assert result.output.strip() == 'mlxllama: error: --plot needs matplotlib: pip install "mlxllama[plot]"'
+
+
+# llama.cpp on F32 copies of every architecture's fixture (scripts/dump_llama_cpp_trace.py --exact,
+# ITALY raw, --steps 4, n_ctx 512): which tensors a family's graph names differs (Qwen's attention
+# output has no name of its own; Gemma's post norms and scaled embeddings are taken where ours are).
+ARCH_FIXTURES = ["qwen2-tiny-Q8_0", "qwen3-tiny-Q4_K_M", "phi3-tiny-Q5_K_M", "gemma3-tiny-Q8_0", "mistral-tiny-Q4_K_M",
+                 "llama3-tiny-Q6_K", "mixtral-tiny-Q4_K_M", "qwen3moe-tiny-Q8_0"]
+# Native mode keeps MLX's affine format, whose scales are float16: on these random-weight fixtures
+# that moves an MLP's output by up to 0.041 (qwen3-tiny's Q4_K) where --dequantize stays at 0.0015.
+NATIVE_MAX_ERROR = 0.05
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantize", "native"])
+@pytest.mark.parametrize("name", ARCH_FIXTURES)
+def test_every_architecture_agrees_with_its_exact_reference(name, dequantize, tmp_path):
+    m = mlxllama.load(find_fixture_model(f"{name}.gguf"), context_length=512, dequantize=dequantize)
+    ids = m.tokenize(ITALY)
+    write_dump(tmp_path / "ours", trace(m.model, m.tokenizer, ids, m.new_cache(), steps=4, keep_hidden=True),
+               len(ids), name, m.model)
+    comparison = compare_dumps(tmp_path / "ours", LLAMA_CPP_DUMPS / f"exact-{name}")
+    assert not comparison.diverged and comparison.positions >= len(ids) + 3 and len(comparison.layers) >= 3
+    largest = max(d.max_error for d in comparison.layers)
+    assert largest < (comparison.tolerance / 10 if dequantize else NATIVE_MAX_ERROR), largest
