@@ -624,7 +624,8 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
               " as a heatmap; with --attention: a head's weights (--plot-head). .png, .svg or .html; needs"
               ' matplotlib (pip install "mlxllama[plot]").')
 @click.option("--plot-head", default="0.0", show_default=True, metavar="LAYER.HEAD",
-              help="With --attention --plot: the head whose prompt weights are drawn.")
+              help="With --attention --plot: the head whose prompt weights are drawn (with --compare, from the"
+                   " dumps that hold them: trace --attention --dump).")
 @click.option("--attention", is_flag=True,
               help="Attend through an explicit softmax and report each head's: entropy, largest weight and its"
                    " position, weight on BOS and on the last 16 positions; collapsed heads; dropped positions.")
@@ -661,7 +662,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         if plot_path:
             from .trace_plot import plot_comparison
 
-            plot_comparison(comparison, *compare, plot_path)
+            plot_comparison(comparison, *compare, plot_path, parse_head(plot_head) if attention else None)
         click.echo(json.dumps(asdict(comparison)) if as_json else trace.format_comparison(comparison, *compare))
         sys.exit(1 if comparison.diverged else 0)
     if prompt_text is None:
@@ -694,7 +695,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         from .trace_plot import plot_attention
 
         layer, head = parse_head(plot_head, [w.shape[0] for w in result.prompt_weights])
-        plot_attention(result.prompt_weights[layer][head], layer, head, 0, plot_path)
+        plot_attention(result.prompt_weights[layer][head], layer, head, plot_path)
     if as_json:
         click.echo(json.dumps({"model": runtime.path, "template": prompt.template, "prompt_ids": prompt.ids,
                                "passes": [asdict(p) for p in result.passes]}, ensure_ascii=False))
@@ -706,13 +707,13 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
         click.echo(f"dump: {dump_dir} ({len(result.token_ids)} positions)")
 
 
-def parse_head(text: str, heads: list[int]) -> tuple[int, int]:
-    """--plot-head LAYER.HEAD, checked against the model's layers and their heads."""
+def parse_head(text: str, heads: list[int] | None = None) -> tuple[int, int]:
+    """--plot-head LAYER.HEAD, checked against the model's layers and their heads where known."""
     try:
         layer, head = (int(part) for part in text.split("."))
     except ValueError:
         raise MlxLlamaError(f"--plot-head: expected LAYER.HEAD (e.g. 3.5), got {text!r}") from None
-    if not 0 <= layer < len(heads) or not 0 <= head < heads[layer]:
+    if heads is not None and (not 0 <= layer < len(heads) or not 0 <= head < heads[layer]):
         raise MlxLlamaError(f"--plot-head {text}: the model has {len(heads)} layers of {heads[0]} heads")
     return layer, head
 

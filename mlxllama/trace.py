@@ -253,6 +253,8 @@ def write_dump(directory: str | os.PathLike, result: Trace, prompt_length: int, 
         (out / "meta.json").unlink(missing_ok=True)
         for name, rows in result.hidden.items():
             np.save(out / f"{name}.npy", rows.astype(np.float32))
+        for layer, weights in enumerate(result.prompt_weights):  # [heads, prompt queries, keys], for --plot
+            np.save(out / f"layer_{layer:03d}_weights.npy", weights.astype(np.float32))
         if result.attention:
             # [positions, heads, 5]: entropy, max weight, its position, weight on BOS (NaN once
             # dropped), weight on the last RECENT positions

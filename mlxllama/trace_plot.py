@@ -39,15 +39,26 @@ def check_plot_path(path: str | os.PathLike) -> None:
         raise MlxLlamaError(f"--plot {path}: the file must end in {', '.join(FORMATS)}")
 
 
-def plot_comparison(comparison: Comparison, dir_a: str, dir_b: str, path: str | os.PathLike) -> tuple[int, int] | None:
-    """Draw the comparison's heatmap to `path`; the (row, position) boxed as the first divergence, if any."""
+def plot_comparison(comparison: Comparison, dir_a: str, dir_b: str, path: str | os.PathLike,
+                    head: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """Draw the comparison's heatmap to `path`; the (row, position) boxed as the first divergence, if
+    any. With a (layer, head), a second panel draws that head's prompt weights from each dump that
+    holds them (`trace --attention --dump` writes them)."""
     check_plot_path(path)
     plt = pyplot()
     names = [d.name for d in comparison.layers]
     errors = np.stack([layer_errors(dir_a, dir_b, name, comparison.positions) for name in names])
     shown = np.log10(np.clip(np.nan_to_num(errors, nan=np.inf, posinf=1e6), FLOOR, 1e6))
     tolerance = np.log10(comparison.tolerance)
-    figure, axis = plt.subplots(figsize=(max(6, 0.25 * comparison.positions + 3), max(4, 0.22 * len(names) + 2)))
+    panels = [] if head is None else [(d, w) for d in (dir_a, dir_b) if (w := head_weights(d, *head)) is not None]
+    if head is not None and not panels:
+        raise MlxLlamaError("--plot-head: neither dump holds attention weights (trace --attention --dump writes them)")
+    width = max(6, 0.25 * comparison.positions + 3)
+    figure, axes = plt.subplots(1, 1 + len(panels), figsize=(width + 5 * len(panels), max(4, 0.22 * len(names) + 2)),
+                                squeeze=False)
+    axis = axes[0][0]
+    for panel, (directory, weights) in zip(axes[0][1:], panels):
+        draw_weights(panel, figure, weights, f"{Path(directory).name}: layer {head[0]}, head {head[1]}")
     image = axis.imshow(shown, aspect="auto", cmap="viridis", interpolation="nearest",
                         vmin=min(shown.min(), tolerance - 3), vmax=max(shown.max(), tolerance + 1))
     axis.set_yticks(range(len(names)), [stats_label(n) for n in names], fontsize=7)
@@ -76,20 +87,33 @@ def plot_comparison(comparison: Comparison, dir_a: str, dir_b: str, path: str | 
     return marked
 
 
-def plot_attention(weights: np.ndarray, layer: int, head: int, first_position: int, path: str | os.PathLike) -> None:
-    """One head's weights [queries, keys] of a pass (trace --attention) as an image: query × key."""
+def plot_attention(weights: np.ndarray, layer: int, head: int, path: str | os.PathLike) -> None:
+    """One head's prompt weights [queries, keys] (trace --attention) as an image: query × key."""
     check_plot_path(path)
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(6, 5))
-    image = axis.imshow(weights, aspect="auto", cmap="magma", interpolation="nearest", vmin=0, vmax=1,
-                        extent=(-0.5, weights.shape[1] - 0.5, first_position + weights.shape[0] - 0.5,
-                                first_position - 0.5))
-    axis.set_xlabel("key (cache slot)")
-    axis.set_ylabel("query position")
-    axis.set_title(f"attention of layer {layer}, head {head}", fontsize=9)
-    figure.colorbar(image, ax=axis).set_label("weight")
+    draw_weights(axis, figure, weights, f"attention of layer {layer}, head {head}")
     save(figure, path, f"layer {layer} head {head}")
     plt.close(figure)
+
+
+def draw_weights(axis, figure, weights: np.ndarray, title: str) -> None:
+    image = axis.imshow(weights, aspect="auto", cmap="magma", interpolation="nearest", vmin=0, vmax=1)
+    axis.set_xlabel("key (cache slot)")
+    axis.set_ylabel("query position")
+    axis.set_title(title, fontsize=9)
+    figure.colorbar(image, ax=axis).set_label("weight")
+
+
+def head_weights(directory: str | os.PathLike, layer: int, head: int) -> np.ndarray | None:
+    """A head's prompt weights from a dump (layer_LLL_weights.npy), or None where it has none."""
+    path = Path(directory) / f"layer_{layer:03d}_weights.npy"
+    if not path.is_file():
+        return None
+    weights = np.load(path, allow_pickle=False)
+    if weights.ndim != 3 or not 0 <= head < weights.shape[0]:
+        raise MlxLlamaError(f"{path}: has no head {head} (shape {list(weights.shape)})")
+    return weights[head]
 
 
 def save(figure, path: str | os.PathLike, title: str) -> None:

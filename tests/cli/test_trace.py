@@ -424,3 +424,18 @@ def test_every_architecture_agrees_with_its_exact_reference(name, dequantize, tm
     assert not comparison.diverged and comparison.positions >= len(ids) + 3 and len(comparison.layers) >= 3
     largest = max(d.max_error for d in comparison.layers)
     assert largest < (comparison.tolerance / 10 if dequantize else NATIVE_MAX_ERROR), largest
+
+
+def test_a_comparison_plot_draws_a_heads_weights_beside_the_errors(tmp_path):
+    pytest.importorskip("matplotlib")
+    ours = tmp_path / "ours"
+    assert CliRunner().invoke(main, ["trace", "-p", SUM, "--steps", "4", "--attention", "--dump", str(ours)]).exit_code == 0
+    assert np.load(ours / "layer_002_weights.npy").shape == (8, PROMPT_LENGTH, PROMPT_LENGTH)
+    result = CliRunner().invoke(main, ["trace", "--compare", str(ours), str(EXACT), "--attention", "--plot",
+                                       str(tmp_path / "p.svg"), "--plot-head", "2.3"])
+    assert result.exit_code == 0, result.output
+    svg = (tmp_path / "p.svg").read_text()
+    assert "no divergence" in svg and "ours: layer 2, head 3" in svg
+    result = CliRunner().invoke(main, ["trace", "--compare", str(EXACT), str(EXACT), "--attention", "--plot",
+                                       str(tmp_path / "q.svg")])
+    assert result.exit_code == 2 and "neither dump holds attention weights" in result.output
