@@ -62,6 +62,10 @@ class KVQuantization:
     def encode(self, x: mx.array) -> tuple:
         return tuple(mx.quantize(x, self.group_size, self.bits))
 
+    def decode(self, stored: tuple) -> mx.array:
+        """The values `encode` stored, dequantized."""
+        return mx.dequantize(*stored, group_size=self.group_size, bits=self.bits)
+
     def bytes_per_value(self, dtype: mx.Dtype) -> float:
         """Storage of one key or value element: its bits, and its group's scale and bias in `dtype`."""
         return self.bits / 8 + 2 * dtype.size / self.group_size

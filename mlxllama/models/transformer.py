@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_arrays, kv_map,
+from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_map,
                      make_batch_cache, make_cache, quantizes, visible)
 from .config import ModelConfig
 
@@ -123,8 +123,7 @@ class Block(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self._attention_probe is not None:
-            keys, values = (mx.dequantize(*b, group_size=cache.quantization.group_size, bits=cache.quantization.bits)
-                            for b in (k, v)) if isinstance(k, tuple) else (k, v)
+            keys, values = (cache.quantization.decode(k), cache.quantization.decode(v)) if isinstance(k, tuple) else (k, v)
             weights = attention_weights(q, keys, self._attention_scale, mask)
             self._attention_probe.append(weights)
             out = weights_times_values(weights, values)
@@ -309,29 +308,24 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     MLX's quantized products, as mlx-lm attends its quantized cache); `mask` as the fused kernel
     takes it (None, "causal", or booleans broadcasting to [batch, heads, length, keys]). Scores
     and softmax in float32, but for a quantized cache's scores, which are in q's type."""
+    if quantization and not quantized_products_run(q.shape[-1], quantization):
+        # The same values through plain products: the cache stays small, the step reads more.
+        k, v, quantization = quantization.decode(k), quantization.decode(v), None
+    if not quantization:
+        return weights_times_values(attention_weights(q, k, scale, mask), v)
     batch, heads, length, head_dim = q.shape
-    kv_heads, keys = kv_arrays(k)[0].shape[1:3]
+    kv_heads, keys = k[0].shape[1:3]
     groups = heads // kv_heads
     # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
     q = q.reshape(batch, kv_heads, groups, length, head_dim)
     k, v = kv_map(lambda a: a[:, :, None], k), kv_map(lambda a: a[:, :, None], v)
-    if quantization and not quantized_products_run(head_dim, quantization):
-        # The same values through plain products: the cache stays small, the step reads more.
-        k, v = (mx.dequantize(*b, group_size=quantization.group_size, bits=quantization.bits) for b in (k, v))
-        quantization = None
-    if quantization:
-        product = dict(group_size=quantization.group_size, bits=quantization.bits)
-        scores = mx.quantized_matmul(q * scale, *k, transpose=True, **product).astype(mx.float32)
-    else:
-        scores = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+    product = dict(group_size=quantization.group_size, bits=quantization.bits)
+    scores = mx.quantized_matmul(q * scale, *k, transpose=True, **product).astype(mx.float32)
     mask = grouped_mask(mask, kv_heads, groups, length, keys)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    if quantization:
-        weights = mx.softmax(scores, axis=-1).astype(q.dtype)
-        out = mx.quantized_matmul(weights, *v, transpose=False, **product)
-    else:
-        out = mx.softmax(scores, axis=-1).astype(v.dtype) @ v
+    weights = mx.softmax(scores, axis=-1).astype(q.dtype)
+    out = mx.quantized_matmul(weights, *v, transpose=False, **product)
     return out.reshape(batch, heads, length, head_dim)
 
 
