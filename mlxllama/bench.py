@@ -147,8 +147,8 @@ def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | 
     if speculation is not None:
         tokens = speculation(runtime.model, runtime.new_cache(), ids, n_gen + 1, stop_ids, ())
     else:
-        tokens = generate_tokens(runtime.model, runtime.new_cache(), ids, make_sampler(SamplingParams(), runtime.model.sampling_group),
-                                 n_gen + 1, stop_ids, guide=guide)
+        sampler = make_sampler(SamplingParams(), runtime.model.sampling_group)
+        tokens = generate_tokens(runtime.model, runtime.new_cache(), ids, sampler, n_gen + 1, stop_ids, guide=guide)
     next(tokens)
     start, count = time.perf_counter(), 0
     for _ in tokens:

@@ -91,9 +91,9 @@ class ChatSession:
             self.messages = before
             raise
         cache, keep = self.prompt_cache.take(prompt_ids, self.runtime.model, self.max_kv_size, self.keep)
-        stream = TextStream(self.runtime.model, self.runtime.tokenizer, cache, prompt_ids,
-                            make_sampler(self.params, self.runtime.model.sampling_group), self.max_tokens, self.stop, new_ids=prompt_ids[keep:],
-                            speculate=self.speculation)
+        sampler = make_sampler(self.params, self.runtime.model.sampling_group)
+        stream = TextStream(self.runtime.model, self.runtime.tokenizer, cache, prompt_ids, sampler, self.max_tokens,
+                            self.stop, new_ids=prompt_ids[keep:], speculate=self.speculation)
         try:
             yield from stream
         except BaseException:

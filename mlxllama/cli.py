@@ -16,9 +16,9 @@ import click
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
                           dequantize_option, dequantize_requested, kv_cache_options, kv_quantization_requested,
                           kv_size_options, load_draft, load_model, load_prompt_cache, model_option, parallel_options,
-                          parallel_requested, parse_template_kwargs, prompt_cache_option, refuse_under_launch,
-                          remember, requested_constraint, sampling_options, sampling_params, speculation_options,
-                          template_options)
+                          parallel_requested, parse_template_kwargs, prompt_cache_option, refuse_stdin,
+                          refuse_under_launch, remember, requested_constraint, sampling_options, sampling_params,
+                          speculation_options, template_options)
 from .distributed import barrier, launched, lost_peer, share, world
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
@@ -88,12 +88,6 @@ def fail(message: str | None, code: int = 2) -> None:
 # The commands that run under mlx.launch; the others read or write per-process state (a saved
 # prompt cache, a trace's dumps) that a split model does not have yet.
 LAUNCHED_COMMANDS = ("generate", "chat", "batch", "serve", "bench", "perplexity")
-
-
-def refuse_stdin() -> None:
-    if launched():
-        raise MlxLlamaError("under mlx.launch, standard input never ends (mlx.launch does not pass its end on):"
-                            " give the text as an argument or a file")
 
 
 def launch_check(command: str | None) -> None:
@@ -628,7 +622,7 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
                    " dumps that hold them: trace --attention --dump).")
 @click.option("--attention", is_flag=True,
               help="Attend through an explicit softmax and report each head's: entropy, largest weight and its"
-                   " position, weight on BOS and on the last 16 positions; collapsed heads; dropped positions.")
+                   " position, weight on BOS and on the last 16 positions; collapsed heads; positions a layer cannot see.")
 @click.option("--dump", "dump_dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Write every layer's hidden states to DIR as .npy files (format: see above).")
 @click.option("--compare", nargs=2, metavar="DIR_A DIR_B", type=click.Path(file_okay=False, exists=True),

@@ -207,11 +207,22 @@ def load_model(model_path: str | None, context_length: int | None = None):
                    parallel=parallel_requested())
     shard = runtime.model.shard
     if shard is not None and world().is_root:
-        how = f"layers split by tensor over {shard.size} processes" if shard.mode == "tensor" else \
-            f"a pipeline of {shard.size} processes, {shard.layers.stop - shard.layers.start} layers on rank 0" + (
-                f" (not split by tensor: {shard.reason})" if shard.reason else "")
+        if shard.mode == "tensor":
+            how = f"layers split by tensor over {shard.size} processes"
+        else:
+            why = f" (not split by tensor: {shard.reason})" if shard.reason else ""
+            how = f"a pipeline of {shard.size} processes, {len(shard.layers)} layers on rank 0{why}"
         click.echo(f"[mlx.launch: {how}]", err=True)
     return runtime
+
+
+def refuse_stdin() -> None:
+    """Standard input as a command's text: not under mlx.launch, which never passes its end on."""
+    from .distributed import launched
+
+    if launched():
+        raise MlxLlamaError("under mlx.launch, standard input never ends (mlx.launch does not pass its end on):"
+                            " give the text as an argument or a file")
 
 
 def refuse_under_launch(**options) -> None:

@@ -4,8 +4,8 @@ MLX's own distributed layer (`mx.distributed`: ring, JACCL, MPI, NCCL) and launc
 processes and connect them; this module only says who this process is and moves small things
 between them. Rank 0 reads the input, samples and writes: what it read reaches the others through
 `share`, and, for a model split over the ranks, every sampled token through `follow_rank0`, so all
-ranks feed their parts of the model the same ids even when sampling is unseeded. Outside `mlx.launch` there is one rank and every function here
-is the identity.
+ranks feed their parts of the model the same ids even when sampling is unseeded. Outside
+`mlx.launch` there is one rank and every function here is the identity.
 """
 
 from __future__ import annotations

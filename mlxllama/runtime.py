@@ -112,7 +112,8 @@ class Runtime:
         if draft is not None and (constraint is not None or max_kv_size):
             raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
         speculation = self.speculation(draft, params, draft_tokens)
-        return TextStream(self.model, self.tokenizer, cache, ids, make_sampler(params, self.model.sampling_group), max_tokens, stop,
+        sampler = make_sampler(params, self.model.sampling_group)
+        return TextStream(self.model, self.tokenizer, cache, ids, sampler, max_tokens, stop,
                           new_ids=ids[cached:], guide=guide, speculate=speculation)
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 256, params: SamplingParams = SamplingParams(),

@@ -9,6 +9,7 @@ of the scale, is rounding.
 
 from __future__ import annotations
 
+import html
 import io
 import os
 from pathlib import Path
@@ -123,13 +124,10 @@ def save(figure, path: str | os.PathLike, title: str) -> None:
         if target.suffix.lower() == ".html":
             svg = io.StringIO()
             figure.savefig(svg, format="svg", bbox_inches="tight")
-            page = f"<!doctype html><meta charset='utf-8'><title>mlxllama trace: {escape(title)}</title>\n{svg.getvalue()}"
+            page = f"<!doctype html><meta charset='utf-8'><title>mlxllama trace: {html.escape(title)}</title>\n{svg.getvalue()}"
             target.write_text(page, encoding="utf-8")
         else:
             figure.savefig(target, bbox_inches="tight", dpi=110)
     except OSError as e:
         raise MlxLlamaError(f"cannot write {path}: {e.strerror}") from None
 
-
-def escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

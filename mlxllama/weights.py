@@ -37,13 +37,13 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     blocks: list[dict] = [{} for _ in layers]
     rest: dict = {}
     for name, (parameter, shape) in architecture.tensors(config).items():
+        if shard is not None and not shard.holds(name):
+            continue  # another pipeline stage's block
         if not name.startswith("blk."):
             rest[name] = (parameter, shape)
             continue
-        index = int(name.split(".")[1])
-        if index in layers:  # a pipeline stage's blocks are its model's blk.0, blk.1, ...
-            local = f"blk.{index - layers.start}." + parameter.split(".", 2)[2]
-            blocks[index - layers.start][name] = (local, shape)
+        local = int(name.split(".")[1]) - layers.start  # a pipeline stage's blocks are its model's blk.0, blk.1, ...
+        blocks[local][name] = (f"blk.{local}." + parameter.split(".", 2)[2], shape)
 
     def load(part: dict) -> None:
         _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,

@@ -75,27 +75,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(url: str, process: subprocess.Popen, seconds: float = 60) -> None:
+    """Return once `url`/health answers 200; fail with the server's stderr if its process ends first."""
+    import httpx  # here, as only the server's tests need it
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read())
+    raise AssertionError("the server did not start")
+
+
 class Server:
-    """`mlxllama serve ARGS` on a free loopback port, started and waited for; `url` reaches it.
-    (httpx: imported here, as only the server's tests use it.)"""
+    """`mlxllama serve ARGS` on a free loopback port, started and waited for; `url` reaches it."""
 
     def __init__(self, *args: str):
-        import httpx
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, "-m", "mlxllama", "serve", "--port", str(self.port), *args],
                                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-            if self.process.poll() is not None:
-                raise AssertionError(self.process.stderr.read())
-        raise AssertionError("the server did not start")
+        wait_until_serving(self.url, self.process)
 
     def stop(self) -> None:
         self.process.terminate()

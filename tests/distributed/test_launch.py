@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PACKAGE_DATA, REPO_FIXTURES, free_port
+from conftest import PACKAGE_DATA, REPO_FIXTURES, free_port, wait_until_serving
 
 import mlxllama
 
@@ -193,7 +193,6 @@ def test_each_rank_holds_its_share_of_the_layers_and_the_replicated_rest(tmp_pat
 # split, and the pipeline's forward pass is tested through generate, chat and batch above.
 @pytest.mark.parametrize("split", [[]])
 def test_serve_under_launch_answers_concurrent_clients_as_one_process(split):
-    import httpx
     import openai
 
     port = free_port()
@@ -202,13 +201,7 @@ def test_serve_under_launch_answers_concurrent_clients_as_one_process(split):
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as server:
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
+            wait_until_serving(f"http://127.0.0.1:{port}", server, seconds=120)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
             # chat-tiny's greedy answers in one process (tests/cli/test_cli.py holds them to that)
             questions = {"What is the capital of Japan?": "The capital of Japan is Tokyo.",
