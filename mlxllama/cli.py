@@ -629,9 +629,14 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
               help="Compare two dumps instead of running a model; exit code 1 if they diverge.")
 @click.option("--tolerance", default=0.1, show_default=True,
               help="--compare: the largest relative error ||a - b|| / ||b|| of one position's hidden state.")
+@click.option("--requantized", is_flag=True,
+              help="Run Q2_K and Q6_K matrices re-quantized to 8 bits, as generate does; by default trace holds"
+                   " them at the file's values (expanded), so a comparison with an exact reference shows only real"
+                   " divergence.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text report.")
 def trace_command(model_path, prompt_text, no_template, template_name, template_file, template_kwargs, system,
-                  show_prompt, steps, top_k, plot_path, plot_head, attention, dump_dir, compare, tolerance, as_json):
+                  show_prompt, steps, top_k, plot_path, plot_head, attention, dump_dir, compare, tolerance,
+                  requantized, as_json):
     """Show what each layer computes: RMS, min, max and mean of its attention output, MLP output and
     residual stream, then the position, cache length and top-k next tokens of each pass.
 
@@ -676,7 +681,7 @@ def trace_command(model_path, prompt_text, no_template, template_name, template_
     if dump_dir:
         check_output_dir(dump_dir)
     kwargs = parse_template_kwargs(template_kwargs)
-    runtime = load_model(model_path)
+    runtime = load_model(model_path, requantize=requantized)
     template = choose_template(runtime.chat_template, template_name, template_file, no_template)
     prompt = build_prompt(runtime.tokenizer, template, messages_for(prompt_text, system), kwargs)
     if show_prompt:

@@ -194,9 +194,10 @@ def parallel_requested() -> str | None:
     return "pipeline" if meta.get("mlxllama.pipeline") else "tensor"
 
 
-def load_model(model_path: str | None, context_length: int | None = None):
+def load_model(model_path: str | None, context_length: int | None = None, requantize: bool = True):
     """The model, loaded for `context_length` tokens, else for --ctx, else for its trained context,
-    its caches stored as the --kv-* options say; under mlx.launch, this process's part of it."""
+    its caches stored as the --kv-* options say; under mlx.launch, this process's part of it.
+    `requantize`: runtime.load's."""
     from .distributed import world
     from .runtime import load
 
@@ -204,7 +205,7 @@ def load_model(model_path: str | None, context_length: int | None = None):
         context_length = context_requested()
     runtime = load(model_path or default_model_path(), dequantize=dequantize_requested(),
                    context_length=context_length, kv_quantization=kv_quantization_requested(),
-                   parallel=parallel_requested())
+                   parallel=parallel_requested(), requantize=requantize)
     shard = runtime.model.shard
     if shard is not None and world().is_root:
         if shard.mode == "tensor":

@@ -94,8 +94,10 @@ class TiedEmbedding(NativeLinear):
     as_linear = NativeLinear.__call__
 
     def __call__(self, ids: mx.array) -> mx.array:
-        scales = self.scales[ids]
-        biases = self.biases[ids] if "biases" in self else symmetric_biases(scales)
+        # float32 like BlockEmbedding's rows: the residual stream starts in float32, and MLX
+        # dequantizes in the scales' type, so float16 scales would round every value by up to 1/2048.
+        scales = self.scales[ids].astype(mx.float32)
+        biases = self.biases[ids].astype(mx.float32) if "biases" in self else symmetric_biases(scales)
         return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
 
 

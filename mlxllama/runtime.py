@@ -160,14 +160,17 @@ class Runtime:
 
 def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
          context_length: int | None = None, kv_quantization: KVQuantization | None = None,
-         parallel: str | None = None) -> Runtime:
+         parallel: str | None = None, requantize: bool = True) -> Runtime:
     """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
 
     `context_length` limits prompt plus generation (default: the model's trained context, as
     llama.cpp's n_ctx) and, like llama.cpp's n_ctx, picks Phi-3's short or long LongRoPE factors.
 
     Quantized matrices stay quantized (native mode, weights.py); `dequantize` expands every weight
-    to `dtype` instead, the simple mode to compare against. The decode step is chosen here, once:
+    to `dtype` instead, the simple mode to compare against. Native mode holds Q2_K and Q6_K
+    matrices re-quantized to 8 bits a value (quants.py: their 16-value sub-blocks have no exact
+    affine form); without `requantize` it expands those to `dtype` and holds the file's values
+    (trace does, to compare against an exact reference). The decode step is chosen here, once:
     on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every
     model prefills with explicit attention (Transformer.attend_prefill_explicitly).
 
@@ -187,11 +190,11 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
     shard = plan_parallel(parallel, config, native=not dequantize)
-    model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard)
+    model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard, requantize=requantize)
     model.store_kv_quantized(kv_quantization)
     # The kernels fuse each projection with the residual add where a split model's all-reduce must
     # go: a split model runs the plain step (docs/distributed.md).
-    if not dequantize and shard is None and cuda_kernels_wanted():
+    if not dequantize and requantize and shard is None and cuda_kernels_wanted():
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
 
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step

@@ -16,7 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import MlxLlamaError
 from .gguf_file import tensor_shape
-from .quants import AFFINE_GROUP_SIZE, AFFINE_TYPES, SUPPORTED_TYPES, AffineWeight, dequantize, to_affine
+from .quants import (AFFINE_GROUP_SIZE, AFFINE_TYPES, REQUANTIZED_TYPES, SUPPORTED_TYPES, AffineWeight, dequantize,
+                     to_affine)
 
 
 class Blocks(NamedTuple):
@@ -66,20 +67,24 @@ def weight_dtype(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.Dtype
 
 
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
-            lookup_only: bool = False, piece: Piece | None = None) -> Weight:
+            lookup_only: bool = False, piece: Piece | None = None, requantize: bool = True) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
 
     native: a quantized matrix stays quantized, as its Blocks when `lookup_only` (a token table
     that is not also the output layer), else as an AffineWeight; dequantized mode, and every float
     tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
+    Without `requantize`, a matrix of a type the affine form holds only approximately (Q2_K, Q6_K:
+    quants.REQUANTIZED_TYPES) is expanded to `dtype` instead, so the model holds the file's values.
     """
     if piece is not None:
         tensor, shape, trim = cut(tensor, shape, piece)
-        weight = convert(path, tensor, shape, dtype, native)
+        weight = convert(path, tensor, shape, dtype, native, requantize=requantize)
         return trim_columns(weight, trim) if trim else weight
     quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
-    if quantized and lookup_only:
+    if quantized and lookup_only:  # the file's own blocks: exact whatever the type
         weight = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
+    elif quantized and not requantize and tensor.tensor_type in REQUANTIZED_TYPES:
+        weight = tensor_to_mlx(path, tensor, dtype, shape)
     elif quantized and len(shape) == 3:  # a mixture's experts [experts, out, in]: rows of every expert in turn
         flat = to_affine(tensor.data, tensor.tensor_type, (shape[0] * shape[1], shape[2]))
         return flat._replace(**{part: getattr(flat, part).reshape(*shape[:2], -1)

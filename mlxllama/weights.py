@@ -27,9 +27,10 @@ from .tensors import Blocks, Weight, convert
 
 
 def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
-               native: bool = True, shard: Shard | None = None) -> Transformer:
+               native: bool = True, shard: Shard | None = None, requantize: bool = True) -> Transformer:
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
-    its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized.
+    its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized
+    (`requantize`: tensors.convert).
     With a `shard`, only the tensors and pieces of tensors that rank holds are read."""
     model = architecture.build(config, dtype, shard)
     layers = shard.layers if shard else range(config.n_layers)
@@ -48,7 +49,8 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     def load(part: dict) -> None:
         _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                          lookup_only=name == "token_embd.weight" and not config.tied_output,
-                                         piece=shard.piece(name, config) if shard else None)
+                                         piece=shard.piece(name, config) if shard else None,
+                                         requantize=requantize)
                       for name, (parameter, shape) in part.items()})
 
     for block, part in zip(model.blk, blocks):
