@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import check_kv_size
+from .cache import KVCache, check_kv_size
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
@@ -147,6 +147,11 @@ class Joining:
     fed: int = 0
 
 
+# A grouped prefill pads each row's tokens to a multiple of this, and the slots it attends over too;
+# its rows are padded to a power of two with empty ones: few shapes for MLX's CUDA backend to compile.
+GROUP_WIDTH_STEP = 32
+
+
 class BatchDecoder:
     """Rows that join and leave between decode steps (continuous batching): one forward pass a
     step for every row, each at its own position. The engine of generate_batch and of the server.
@@ -154,14 +159,22 @@ class BatchDecoder:
     A request joins in two moves: admit() queues it, and prefill_chunk() feeds its prompt one
     chunk at a time (chunks of PREFILL_CHUNK, as generate's prefill), so a caller that runs a
     decode step between chunks never stalls the running rows for more than one chunk.
+
+    With `group`, several joining prompts whose rest fits in one chunk together are fed in one
+    forward pass (a burst of requests then waits for one pass, not one a request), each row
+    padded on the right to a common width, which its causal mask keeps it from seeing. A lone
+    joiner is fed alone, exactly as generate feeds it; in a group a row's logits differ from its
+    lone ones by rounding (other shapes, other kernels), within tests/unit/test_batch.py's bound.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
-                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0):
+                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0, group: bool = False):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         check_kv_size(max_kv_size, keep)
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
+        # A ring's rows take one token at a time (cache.RingKVCache): no groups with a max_kv_size.
+        self.group = group and not max_kv_size
         # Where prompts start from keys and values computed before, and where finished rows leave theirs.
         self.prompt_cache = prompt_cache
         # With a max_kv_size every row keeps its first `keep` and its last positions (cache.RingKVCache),
@@ -196,9 +209,13 @@ class BatchDecoder:
             self.joining.append(Joining(row, self.model.make_cache(**bounds)))
         return row
 
-    def prefill_chunk(self) -> Row | None:
-        """Feed the next chunk of the first joining prompt. Once the whole prompt is in, its first
-        token is sampled and the row joins the batch, or, if that token finished it, is returned."""
+    def prefill_chunk(self) -> list[Row]:
+        """Feed the next chunk of the first joining prompt (or, grouping, the rest of the first few
+        prompts together). Once a whole prompt is in, its first token is sampled and the row joins
+        the batch; the rows that token finished are returned."""
+        group = self._group()
+        if len(group) > 1:
+            return self._prefill_group(group)
         joining = self.joining[0]
         ids = joining.row.request.ids
         chunk = ids[joining.fed : joining.fed + self.chunk]
@@ -207,17 +224,67 @@ class BatchDecoder:
         joining.row.prefilled_tokens += len(chunk)
         if joining.fed < len(ids):
             mx.eval([c.state for c in joining.cache])
-            return None
+            return []
         self.joining.popleft()
+        return self._joined(joining, self.model.head(hidden[:, -1:])[0, -1])
+
+    def _group(self) -> list[Joining]:
+        """The joining prompts at the front of the queue whose rests, padded to the longest (in
+        steps of GROUP_WIDTH_STEP), fit in one chunk together: fed in one pass when more than one."""
+        if not self.group:
+            return []
+        group: list[Joining] = []
+        width = 0
+        for joining in self.joining:
+            rest = len(joining.row.request.ids) - joining.fed
+            wider = max(width, -(-rest // GROUP_WIDTH_STEP) * GROUP_WIDTH_STEP)
+            if wider * (len(group) + 1) > self.chunk:
+                break
+            group.append(joining)
+            width = wider
+        return group
+
+    def _prefill_group(self, group: list[Joining]) -> list[Row]:
+        """The rests of `group`'s prompts in one pass: each row continues its own cache (empty, or
+        a prompt cache's prefix) as a row of a batch cache, right-padded to the common width."""
+        rests = [list(j.row.request.ids[j.fed :]) for j in group]
+        width = -(-max(map(len, rests)) // GROUP_WIDTH_STEP) * GROUP_WIDTH_STEP
+        empty_rows = (1 << (len(group) - 1).bit_length()) - len(group)
+        cache = self.model.make_batch_cache()
+        for i, layer in enumerate(cache):
+            layer.slots_step = GROUP_WIDTH_STEP
+            for row_cache in [j.cache[i] for j in group] + [KVCache() for _ in range(empty_rows)]:
+                layer.add(row_cache)
+        pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        tokens = [rest + [pad] * (width - len(rest)) for rest in rests] + [[pad] * width] * empty_rows
+        hidden = self.model.hidden_states(mx.array(tokens), cache)
+        lengths = [j.fed + len(rest) for j, rest in zip(group, rests)] + [0] * empty_rows
+        for layer in cache:
+            layer.cut_rows(lengths)
+        last = mx.stack([hidden[i, len(rest) - 1] for i, rest in enumerate(rests)])
+        logits = self.model.head(last)
+        finished = []
+        for i, (joining, rest) in enumerate(zip(group, rests)):
+            self.joining.remove(joining)
+            joining.fed += len(rest)
+            joining.row.prefilled_tokens += len(rest)
+            joining.cache = [layer.single(i) for layer in cache]
+            finished += self._joined(joining, logits[i])
+        return finished
+
+    def _joined(self, joining: Joining, last: mx.array) -> list[Row]:
+        """A prompt all fed, `last` its last position's logits: store it, sample the first token,
+        and join the batch unless that token finished the row ([row] then)."""
+        ids = joining.row.request.ids
         if self.prompt_cache is not None and all(c.start == 0 for c in joining.cache):  # none dropped: in order
             self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
-        row, last = joining.row, self.model.head(hidden[:, -1:])[0, -1]
+        row = joining.row
         if row.accept(row.sampler(last, row.context, allowed=row.allowed(last.shape[-1])).item(), last):
-            return row
+            return [row]
         for layer, row_layer in zip(self.cache, joining.cache):
             layer.add(row_layer)
         self.rows.append(row)
-        return None
+        return []
 
     def step(self) -> list[Row]:
         """One decode step of every row; the rows it finished, which have left the batch."""
@@ -276,8 +343,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
             if row.finished:
                 finished.append(row)
         while decoder.joining:  # all the way in before the step: there is no stream to keep moving here
-            if (row := decoder.prefill_chunk()) is not None:
-                finished.append(row)
+            finished += decoder.prefill_chunk()
         finished += decoder.step()
         yield [(row.index, row.result()) for row in finished]
 

@@ -102,9 +102,10 @@ def slot_range(buffer: Buffer, begin: int, end: int) -> Buffer:
     return kv_map(lambda a: a[..., begin:end, :], buffer)
 
 
-def allocate(like: Buffer, slots: int) -> Buffer:
-    """Zeros of `slots` slots, laid out as `like`."""
-    return kv_map(lambda a: mx.zeros(a.shape[:2] + (slots,) + a.shape[3:], a.dtype), like)
+def allocate(like: Buffer, slots: int, rows: int | None = None) -> Buffer:
+    """Zeros of `slots` slots (and `rows` rows, default like's), laid out as `like`."""
+    return kv_map(lambda a: mx.zeros((a.shape[0] if rows is None else rows, a.shape[1], slots) + a.shape[3:], a.dtype),
+                  like)
 
 
 def write(buffer: Buffer, slot: int, new: Buffer) -> None:
@@ -456,13 +457,21 @@ class BatchKVCache:
     the rows are stored quantized once the longest passes its start, or once a quantized row joins.
     """
 
-    def __init__(self, quantization: KVQuantization | None = None):
+    def __init__(self, quantization: KVQuantization | None = None, slots_step: int = 1):
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.lengths: list[int] = []
         self.quantization = quantization
         # mx.array(lengths), built once per change: RoPE, the mask and the update all read it every step.
         self._offset: mx.array | None = None
+        # The slots a call attends over, rounded up to a multiple of this: a grouped prefill's cache
+        # (batching.BatchDecoder) keeps the shapes MLX's CUDA backend compiles for few.
+        self.slots_step = slots_step
+
+    def _end(self, new: int) -> int:
+        """The slots a call of `new` tokens a row attends over (the last ones masked where unused)."""
+        end = max(self.lengths) + new
+        return -(-end // self.slots_step) * self.slots_step
 
     @property
     def offset(self) -> mx.array:
@@ -500,15 +509,17 @@ class BatchKVCache:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
         themselves (within the window, if any)."""
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
-        key_pos = mx.arange(max(self.lengths) + length)
+        key_pos = mx.arange(self._end(length))
         return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
-        end = max(self.lengths) + new
-        keys, values = self._stored(keys, values, end)
-        self.make_room(new)
+        end = self._end(new)
+        keys, values = self._stored(keys, values, max(self.lengths) + new)
+        if self.keys is None:  # every row joined empty (add): the first update sets the layout
+            self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
+        self._reserve(end)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
         self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
@@ -516,13 +527,19 @@ class BatchKVCache:
         return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
 
     def add(self, cache: KVCache) -> None:
-        """Append a single sequence's cache as a new last row."""
+        """Append a single sequence's cache as a new last row (an empty one too)."""
         length = cache.offset
-        keys, values = slot_range(cache.keys, 0, length), slot_range(cache.values, 0, length)
-        if self.keys is None:
-            self.keys = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), keys)
-            self.values = kv_map(lambda a: mx.zeros((0, a.shape[1], 0, a.shape[3]), a.dtype), values)
-        keys, values = self._joined(keys, values, cache.quantized)
+        if cache.keys is None and self.keys is None:  # the buffers take their layout from the first update
+            self.lengths, self._offset = self.lengths + [0], None
+            return
+        if cache.keys is None:  # laid out as the rows already are
+            keys, values, quantized = allocate(self.keys, 0, 1), allocate(self.values, 0, 1), self.quantized
+        else:
+            keys, values = slot_range(cache.keys, 0, length), slot_range(cache.values, 0, length)
+            quantized = cache.quantized
+        if self.keys is None:  # the rows before were empty
+            self.keys, self.values = allocate(keys, 0, len(self.lengths)), allocate(values, 0, len(self.lengths))
+        keys, values = self._joined(keys, values, quantized)
         self._reserve(length)
         pad = [(0, 0), (0, 0), (0, capacity(self.keys) - length), (0, 0)]
         self.keys = kv_map(lambda a, b: mx.concatenate([a, mx.pad(b, pad)]), self.keys, keys)
@@ -554,6 +571,19 @@ class BatchKVCache:
     def row(self, i: int) -> tuple[Buffer, Buffer]:
         """Row i's keys and values (views), [1, kv_heads, slots, head_dim]."""
         return kv_map(lambda a: a[i : i + 1], self.keys), kv_map(lambda a: a[i : i + 1], self.values)
+
+    def cut_rows(self, lengths: list[int]) -> None:
+        """Row i holds its first lengths[i] positions only: what a call wrote past them (a grouped
+        prefill's padding) is forgotten, as KVCache.trim forgets."""
+        self.lengths, self._offset = list(lengths), None
+
+    def single(self, i: int) -> KVCache:
+        """Row i as a single sequence's cache of its own (a copy of the slots it holds)."""
+        length = self.lengths[i]
+        cache = KVCache(self.quantization)
+        cache.restore(*(kv_map(lambda a: mx.contiguous(a[i : i + 1, :, :length]), b) for b in (self.keys, self.values)),
+                      0, length)
+        return cache
 
     def _reserve(self, slots: int) -> None:
         held = capacity(self.keys)

@@ -125,10 +125,9 @@ class Engine:
                 return
             self._drop_cancelled()
             try:
-                # One chunk of a joining prompt, then one step of the running rows: a newcomer's
-                # prefill holds the running streams up by one chunk at most.
-                joined = self.decoder.prefill_chunk() if self.decoder.joining else None
-                finished = ([joined] if joined else []) + self.decoder.step()
+                # One chunk of a joining prompt (or of a few short ones together), then one step of
+                # the running rows: a newcomer's prefill holds the running streams up by one chunk at most.
+                finished = (self.decoder.prefill_chunk() if self.decoder.joining else []) + self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 for ticket in self.tickets:
                     ticket.on_error(e)
@@ -199,7 +198,8 @@ def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUN
     if shard is not None and shard.mode == "pipeline":
         prompt_cache_bytes = 0
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-    return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep)
+    return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep,
+                        group=True)
 
 
 def default_kv_budget() -> int:

@@ -32,7 +32,7 @@ class LeadingDecoder:
         share(["admit", index, request_to_json(request)])
         return self.decoder.admit(index, request)
 
-    def prefill_chunk(self) -> Row | None:
+    def prefill_chunk(self) -> list[Row]:
         share(["prefill"])
         return self.decoder.prefill_chunk()
 

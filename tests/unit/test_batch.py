@@ -18,10 +18,11 @@ from click.testing import CliRunner
 
 import mlxllama
 from mlxllama.batch_jobs import BatchSettings, results_output, run_batch
-from mlxllama.batching import Request, batch_generate
-from mlxllama.cache import make_batch_cache, make_cache
+from mlxllama.batching import BatchDecoder, Request, batch_generate
+from mlxllama.cache import KVQuantization, kv_arrays, make_batch_cache, make_cache
 from mlxllama.cli import main
 from mlxllama.generate import prefill
+from mlxllama.prompt_cache import PromptCache
 from mlxllama.prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
 from mlxllama.sampling import SamplingParams
 
@@ -107,6 +108,48 @@ def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, ba
     assert [r.token_ids for r in results] == [r.token_ids for r in sequential]
     assert [(r.text, r.finish_reason) for r in results] == [(r.text, r.finish_reason) for r in sequential]
     assert results[4].text == "The capital of Japan is Tokyo." and results[4].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts, kv_bits, monkeypatch):
+    """A burst of joiners, one continuing a prompt cache's prefix, prefilled in one padded pass
+    (BatchDecoder's group): the ids and log-probabilities of each prompt fed alone (within 1e-4:
+    float32 rounding of other shapes) and the same keys in the batch."""
+    runtime.model.store_kv_quantized(KVQuantization(kv_bits) if kv_bits else None)
+    try:
+        (fed_alone, keys_alone, alone), (fed_together, keys_together, together) = (
+            feed_burst(runtime, prompts, group, monkeypatch) for group in (False, True))
+    finally:
+        runtime.model.store_kv_quantized(None)
+    assert len(fed_alone) == 6 and fed_together == [(8, 32)]  # six rows padded to eight, the longest rest (12) to 32
+    assert [r.ids for r in together] == [r.ids for r in alone]
+    for a, b in zip(alone, together):
+        assert (b.cached_tokens, b.prefilled_tokens) == (a.cached_tokens, a.prefilled_tokens)
+        np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs], atol=1e-4)
+    for a, b, row in zip(keys_alone, keys_together, alone):
+        n = len(row.request.ids)
+        np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=1e-4)
+
+
+def feed_burst(runtime, prompts, group: bool, monkeypatch):
+    """Every prompt admitted at once, the last continuing a stored prefix of itself, then prefilled
+    and decoded to its end: the shapes fed, each row's first-layer keys as stored, and the rows."""
+    model = runtime.model
+    decoder = BatchDecoder(model, runtime.tokenizer, batch_size=8, prompt_cache=PromptCache(1 << 24), group=group)
+    decoder.admit(-1, Request(prompts[5][:-3], 1))
+    assert len(decoder.prefill_chunk()) == 1  # finished at its first token, its prompt stored
+    rows = [decoder.admit(i, Request(ids, n, logprobs=0)) for i, (ids, n) in enumerate(zip(prompts, MAX_TOKENS))]
+    assert rows[5].cached_tokens == len(prompts[5]) - 3
+    fed = []
+    real = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda tokens, cache=None: fed.append(tokens.shape) or real(tokens, cache))
+    while decoder.joining:
+        assert decoder.prefill_chunk() == []
+    monkeypatch.undo()
+    keys = [np.array(kv_arrays(decoder.cache[0].row(i)[0])[0]) for i in range(6)]
+    while decoder.rows:
+        decoder.step()
+    return fed, keys, rows
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(runtime, prompts):
