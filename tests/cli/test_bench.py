@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from importlib.resources import files
 
 import numpy as np
 from click.testing import CliRunner
@@ -60,6 +61,18 @@ def test_tinyllama_layout_is_the_published_q4_k_m():
     assert size == 667_078_656  # ~636 MiB of tensors, like the published 669 MB file
 
 
+def test_qwen3_layout_is_qwen3_0_6b_in_q4_k_m():
+    shape = synthetic.SHAPES["qwen3-0.6b"]
+    layout = synthetic.tensor_types(shape)
+    assert "output.weight" not in layout and layout["token_embd.weight"] == ((151936, 1024), QT.Q6_K)
+    assert layout["blk.0.attn_q.weight"] == ((2048, 1024), QT.Q4_K) and layout["blk.0.attn_k.weight"] == ((1024, 1024), QT.Q4_K)
+    assert layout["blk.0.attn_output.weight"] == ((1024, 2048), QT.Q4_K)
+    assert layout["blk.5.attn_q_norm.weight"] == ((128,), QT.F32)
+    # Qwen3-0.6B: 0.6B parameters, 0.44B of them outside the embedding.
+    params = sum(int(np.prod(s)) for s, _ in layout.values())
+    assert params == 596_049_920 and params - 151936 * 1024 == 440_467_456
+
+
 def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
     """A scaled-down shape through the same writer: the file is valid GGUF and runs in both modes."""
     small = synthetic.Shape(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=32000, context=256,
@@ -72,6 +85,25 @@ def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
     ours, ref = native.logits(ids), dense.logits(ids)
     assert np.isfinite(ours).all() and np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert len(native.generate(ids, max_tokens=3).token_ids) == 3
+
+
+def test_synthetic_qwen3_file_has_its_architecture_and_padded_vocabulary(tmp_path, monkeypatch):
+    small = synthetic.Shape(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=32256, context=256,
+                            rope_base=1e6, rms_eps=1e-6, architecture="qwen3", head_dim=128, qk_norm=True,
+                            tied_output=True)
+    monkeypatch.setitem(synthetic.SHAPES, "small-qwen3", small)
+    path = tmp_path / "small.gguf"
+    synthetic.write(path, "small-qwen3", "Q4_K_M")
+    m = mlxllama.load(path)
+    c = m.config
+    assert (c.head_dim, c.n_heads, c.n_kv_heads, c.vocab_size, c.tied_output) == (128, 4, 2, 32256, True)
+    assert "attn_q_norm" in m.model.blk[0]
+    # The Llama-2 pieces as they were; the padding never comes out of text.
+    llama2 = mlxllama.load_tokenizer(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf")
+    assert m.tokenize("Hello <unused32000>") == llama2.encode("Hello <unused32000>")
+    assert m.tokenizer.decode([32000]) == ""  # an unused piece renders as nothing, as in llama.cpp
+    logits = m.logits([1, 450, 7483])
+    assert logits.shape == (3, 32256) and np.isfinite(logits).all()
 
 
 def test_bench_with_a_constraint_times_the_loop_with_and_without_it():

@@ -34,3 +34,14 @@ def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
         step_us = 1e6 / rep["tokens_per_second"]
         assert 0 < rep["host_us_per_step"] and 0 <= rep["wait_us_per_step"]
         assert rep["host_us_per_step"] + rep["wait_us_per_step"] <= step_us
+
+
+def test_moe_prefill_times_both_orders_of_the_same_products(tmp_path):
+    out = tmp_path / "moe.json"
+    table = run_script("benchmarks/moe_prefill.py", "--experts", "8", "--used", "2", "--hidden", "64", "--width", "32",
+                       "--tokens", "3,40", "--repetitions", "1", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [(r["tokens"], r["pairs"]) for r in report["rows"]] == [(3, 6), (40, 80)]
+    # The same products in another order: equal up to float32 rounding (both run on the CPU here).
+    assert all(r["largest_difference"] < 1e-5 and r["token_order_s"] > 0 < r["expert_order_s"] for r in report["rows"])
+    assert "| 40 | 80 |" in table

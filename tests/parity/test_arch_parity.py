@@ -235,3 +235,27 @@ def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
     fixture = next(n for n in REFERENCES if n.startswith(name))
     m, ref = mlxllama.load(find_fixture_model(f"{fixture}.gguf"), context_length=REFERENCE_CONTEXT), reference(fixture)
     assert kl_per_position(ref, "plain", m.logits(ref["plain/ids"].tolist())).mean() > 3 * MAX_MEAN_KL
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("dequantize", [False, True], ids=["native", "dequantize"])
+def test_experts_run_in_expert_order_give_the_same_logits(name, dequantize, monkeypatch):
+    """The sorted path a GPU takes for long inputs (transformer.expert_outputs), forced on the CPU:
+    the same products in another order, so the logits of the unsorted path within 1e-5 and
+    llama.cpp's within the bar."""
+    from mlxllama.models import transformer
+
+    fixture = next(n for n in REFERENCES if n.startswith(name))
+    m, ref = mlxllama.load(find_fixture_model(f"{fixture}.gguf"), context_length=REFERENCE_CONTEXT,
+                           dequantize=dequantize), reference(fixture)
+    ids = ref["plain/ids"].tolist()
+    assert len(ids) * m.config.n_experts_used >= transformer.SORT_EXPERTS_MIN_PAIRS
+    plain = m.logits(ids)
+    calls = []
+    real = transformer.expert_outputs
+    monkeypatch.setattr(transformer, "expert_outputs",
+                        lambda *args: calls.append(1) or real(*args, sort=True))
+    ordered = m.logits(ids)
+    assert len(calls) == m.config.n_layers
+    np.testing.assert_allclose(ordered, plain, rtol=0, atol=1e-5)
+    assert kl_per_position(ref, "plain", ordered).mean() < MAX_MEAN_KL
