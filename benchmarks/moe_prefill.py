@@ -5,8 +5,9 @@ sorted by expert (models.transformer.expert_outputs, both paths), on the default
 
     python benchmarks/moe_prefill.py --tokens 1,8,32,128,512 [--json out.json]
 
-The sorted path pays an argsort and two gathers; it gains where MLX runs each expert's rows as one
-product (a GPU). transformer.SORT_EXPERTS_MIN_PAIRS is chosen from this table.
+The sorted path pays an argsort and two gathers, to gain where MLX runs each expert's rows as one
+product; on the CPU and on CUDA (an H100, MLX 0.32.4) it gained nothing, so only Metal sorts
+(transformer.SORT_EXPERTS_MIN_PAIRS; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, check_kv_size
+from .cache import check_kv_size
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
 from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
@@ -147,11 +147,6 @@ class Joining:
     fed: int = 0
 
 
-# A grouped prefill pads each row's tokens to a multiple of this, and the slots it attends over too;
-# its rows are padded to a power of two with empty ones: few shapes for MLX's CUDA backend to compile.
-GROUP_WIDTH_STEP = 32
-
-
 class BatchDecoder:
     """Rows that join and leave between decode steps (continuous batching): one forward pass a
     step for every row, each at its own position. The engine of generate_batch and of the server.
@@ -160,11 +155,12 @@ class BatchDecoder:
     chunk at a time (chunks of PREFILL_CHUNK, as generate's prefill), so a caller that runs a
     decode step between chunks never stalls the running rows for more than one chunk.
 
-    With `group`, several joining prompts whose rest fits in one chunk together are fed in one
+    With `group`, several joining prompts whose rests fit in one chunk together are fed in one
     forward pass (a burst of requests then waits for one pass, not one a request), each row
-    padded on the right to a common width, which its causal mask keeps it from seeing. A lone
-    joiner is fed alone, exactly as generate feeds it; in a group a row's logits differ from its
-    lone ones by rounding (other shapes, other kernels), within tests/unit/test_batch.py's bound.
+    padded on the right to the longest, which its causal mask keeps it from seeing. A lone joiner
+    is fed alone, exactly as generate feeds it; in a group a row's logits differ from its lone
+    ones by rounding (other shapes), within tests/unit/test_batch.py's bound. The server groups
+    on the CPU only: MLX's CUDA backend compiles every new shape of a group (docs/server.md).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
@@ -229,15 +225,15 @@ class BatchDecoder:
         return self._joined(joining, self.model.head(hidden[:, -1:])[0, -1])
 
     def _group(self) -> list[Joining]:
-        """The joining prompts at the front of the queue whose rests, padded to the longest (in
-        steps of GROUP_WIDTH_STEP), fit in one chunk together: fed in one pass when more than one."""
+        """The joining prompts at the front of the queue whose rests, padded to the longest, fit
+        in one chunk together: fed in one pass when more than one."""
         if not self.group:
             return []
         group: list[Joining] = []
         width = 0
         for joining in self.joining:
             rest = len(joining.row.request.ids) - joining.fed
-            wider = max(width, -(-rest // GROUP_WIDTH_STEP) * GROUP_WIDTH_STEP)
+            wider = max(width, rest)
             if wider * (len(group) + 1) > self.chunk:
                 break
             group.append(joining)
@@ -248,17 +244,14 @@ class BatchDecoder:
         """The rests of `group`'s prompts in one pass: each row continues its own cache (empty, or
         a prompt cache's prefix) as a row of a batch cache, right-padded to the common width."""
         rests = [list(j.row.request.ids[j.fed :]) for j in group]
-        width = -(-max(map(len, rests)) // GROUP_WIDTH_STEP) * GROUP_WIDTH_STEP
-        empty_rows = (1 << (len(group) - 1).bit_length()) - len(group)
+        width = max(map(len, rests))
         cache = self.model.make_batch_cache()
         for i, layer in enumerate(cache):
-            layer.slots_step = GROUP_WIDTH_STEP
-            for row_cache in [j.cache[i] for j in group] + [KVCache() for _ in range(empty_rows)]:
-                layer.add(row_cache)
+            for joining in group:
+                layer.add(joining.cache[i])
         pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
-        tokens = [rest + [pad] * (width - len(rest)) for rest in rests] + [[pad] * width] * empty_rows
-        hidden = self.model.hidden_states(mx.array(tokens), cache)
-        lengths = [j.fed + len(rest) for j, rest in zip(group, rests)] + [0] * empty_rows
+        hidden = self.model.hidden_states(mx.array([rest + [pad] * (width - len(rest)) for rest in rests]), cache)
+        lengths = [j.fed + len(rest) for j, rest in zip(group, rests)]
         for layer in cache:
             layer.cut_rows(lengths)
         last = mx.stack([hidden[i, len(rest) - 1] for i, rest in enumerate(rests)])

@@ -457,21 +457,13 @@ class BatchKVCache:
     the rows are stored quantized once the longest passes its start, or once a quantized row joins.
     """
 
-    def __init__(self, quantization: KVQuantization | None = None, slots_step: int = 1):
+    def __init__(self, quantization: KVQuantization | None = None):
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.lengths: list[int] = []
         self.quantization = quantization
         # mx.array(lengths), built once per change: RoPE, the mask and the update all read it every step.
         self._offset: mx.array | None = None
-        # The slots a call attends over, rounded up to a multiple of this: a grouped prefill's cache
-        # (batching.BatchDecoder) keeps the shapes MLX's CUDA backend compiles for few.
-        self.slots_step = slots_step
-
-    def _end(self, new: int) -> int:
-        """The slots a call of `new` tokens a row attends over (the last ones masked where unused)."""
-        end = max(self.lengths) + new
-        return -(-end // self.slots_step) * self.slots_step
 
     @property
     def offset(self) -> mx.array:
@@ -509,14 +501,14 @@ class BatchKVCache:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
         themselves (within the window, if any)."""
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
-        key_pos = mx.arange(self._end(length))
+        key_pos = mx.arange(max(self.lengths) + length)
         return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
-        end = self._end(new)
-        keys, values = self._stored(keys, values, max(self.lengths) + new)
+        end = max(self.lengths) + new
+        keys, values = self._stored(keys, values, end)
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
         self._reserve(end)

@@ -176,19 +176,20 @@ class Block(nn.Module):
         return (out.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
 
 
-# From this many (token, expert) pairs on, a GPU sorts them by expert before the gathered products:
-# each expert's rows are then one contiguous matrix product instead of a matrix-vector product a
-# pair. On the CPU sorting gains nothing (MLX's products there cost the same a row either way).
-# Measured by benchmarks/moe_prefill.py (docs/benchmarks.md, "Mixture-of-experts prefill").
+# From this many (token, expert) pairs on, Metal sorts them by expert before the gathered products,
+# so that MLX runs each expert's rows as one product, as mlx-lm does there (untested here: no Mac).
+# benchmarks/moe_prefill.py found no gain on the CPU (0.96-1.04x) nor on CUDA (0.84-0.98x, an
+# H100, MLX 0.32.4, Qwen3-30B-A3B's shape), so those keep the pairs in token order
+# (docs/benchmarks.md, "Mixture-of-experts prefill").
 SORT_EXPERTS_MIN_PAIRS = 64
 
 
 def expert_outputs(gate, up, down, activation, x: mx.array, chosen: mx.array,
                    sort: bool | None = None) -> mx.array:
     """The chosen experts' gated FFNs of each row: x [..., hidden], chosen [..., k] -> [..., k, hidden].
-    `sort` (default: by SORT_EXPERTS_MIN_PAIRS on a GPU) runs the pairs in expert order."""
+    `sort` (default: by SORT_EXPERTS_MIN_PAIRS on Metal) runs the pairs in expert order."""
     if sort is None:
-        sort = chosen.size >= SORT_EXPERTS_MIN_PAIRS and mx.default_device() == mx.gpu
+        sort = chosen.size >= SORT_EXPERTS_MIN_PAIRS and mx.default_device() == mx.gpu and mx.metal.is_available()
     if not sort:
         x = x[..., None, None, :]  # [..., 1, 1, hidden]: one row, for each of the k experts
         h = activation(gate(x, chosen)) * up(x, chosen)  # [..., k, 1, width]

@@ -198,8 +198,29 @@ def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUN
     if shard is not None and shard.mode == "pipeline":
         prompt_cache_bytes = 0
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    # Joiners prefilled together: on the CPU a burst's TTFT p95 fell by half; on an H100 each new
+    # shape of a group compiled anew (0.2 s to 99 s) and the server did worse (docs/server.md).
+    group = mx.default_device() == mx.cpu
+    if mx.default_device() == mx.gpu:
+        warm_up(BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, None, max_kv_size, keep))
     return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep,
-                        group=True)
+                        group)
+
+
+def warm_up(decoder: BatchDecoder) -> None:
+    """Run a few tokens through `decoder` (a throwaway one) at 1, 2, 4 ... and the most rows, so
+    that what compiles per shape compiles before the first request rather than during one: on an
+    H100 each batch size class of the CUDA kernels took 4-8 s to compile, which a fresh server's
+    early requests waited for (docs/server.md). Every rank of a split model runs it alike."""
+    sizes = sorted({1 << i for i in range(decoder.batch_size.bit_length())} | {decoder.batch_size})
+    prompt = [decoder.tokenizer.bos_id or 0] * 2
+    for size in sizes:
+        for index in range(size):
+            decoder.admit(index, Request(prompt, 2))
+        while decoder.joining:
+            decoder.prefill_chunk()
+        while decoder.rows:
+            decoder.step()
 
 
 def default_kv_budget() -> int:

@@ -240,8 +240,9 @@ def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
 @pytest.mark.parametrize("dequantize", [False, True], ids=["native", "dequantize"])
 def test_experts_run_in_expert_order_give_the_same_logits(name, dequantize, monkeypatch):
-    """The sorted path a GPU takes for long inputs (transformer.expert_outputs), forced on the CPU:
-    the same products in another order, so the logits of the unsorted path within 1e-5 and
+    """The sorted path Metal takes for long inputs (transformer.expert_outputs), forced: the same
+    products in another order, so the logits of the unsorted path within 1e-5 in float32 (on a GPU,
+    whose float16 products the other order rounds apart, within the parity bar only) and
     llama.cpp's within the bar."""
     from mlxllama.models import transformer
 
@@ -257,5 +258,6 @@ def test_experts_run_in_expert_order_give_the_same_logits(name, dequantize, monk
                         lambda *args: calls.append(1) or real(*args, sort=True))
     ordered = m.logits(ids)
     assert len(calls) == m.config.n_layers
-    np.testing.assert_allclose(ordered, plain, rtol=0, atol=1e-5)
+    if m.model.compute_dtype == mx.float32:
+        np.testing.assert_allclose(ordered, plain, rtol=0, atol=1e-5)
     assert kl_per_position(ref, "plain", ordered).mean() < MAX_MEAN_KL

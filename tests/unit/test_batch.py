@@ -121,7 +121,7 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
             feed_burst(runtime, prompts, group, monkeypatch) for group in (False, True))
     finally:
         runtime.model.store_kv_quantized(None)
-    assert len(fed_alone) == 6 and fed_together == [(8, 32)]  # six rows padded to eight, the longest rest (12) to 32
+    assert len(fed_alone) == 6 and fed_together == [(6, 15)]  # six rows, each padded to the longest rest
     assert [r.ids for r in together] == [r.ids for r in alone]
     for a, b in zip(alone, together):
         assert (b.cached_tokens, b.prefilled_tokens) == (a.cached_tokens, a.prefilled_tokens)

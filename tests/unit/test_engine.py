@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import mlxllama
-from mlxllama.batching import Request
-from mlxllama.server.engine import Engine, Ticket
+from mlxllama.batching import BatchDecoder, Request
+from mlxllama.server.engine import Engine, Ticket, warm_up
 
 from conftest import PACKAGE_DATA
 
@@ -52,3 +52,16 @@ def test_a_joining_prompt_never_holds_a_running_stream_up_for_more_than_one_chun
     assert results["running"].token_ids == runtime.generate(running_ids, 60).token_ids
     assert results["joining"].token_ids == runtime.generate(joining_ids, 4).token_ids
     assert texts["running"] == results["running"].text
+
+
+def test_warm_up_runs_every_batch_size_class_and_leaves_nothing_behind():
+    """What a GPU server runs before serving (engine.warm_up): a step at 1, 2, 4 ... and the most
+    rows, so that each size class of the CUDA kernels compiles before any request waits for it."""
+    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    decoder = BatchDecoder(runtime.model, runtime.tokenizer, 6)
+    sizes = []
+    step = decoder.step
+    decoder.step = lambda: (sizes.append(len(decoder.rows)), step())[1]
+    warm_up(decoder)
+    assert sizes == [1, 2, 4, 6]  # one step each: two tokens a request, the first sampled at prefill
+    assert not decoder.rows and not decoder.joining and decoder.prompt_cache is None
