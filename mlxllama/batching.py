@@ -147,6 +147,12 @@ class Joining:
     fed: int = 0
 
 
+# With `stepped_rests`, a rest of at most this many tokens after a cached prefix (a prompt the prompt
+# cache holds but for its last token or two) is fed one decode step a token: on an H100 a prefill
+# pass of a few tokens took about 10 ms of MLX's host time, a step of the CUDA kernels about 1 ms.
+STEPPED_REST_MAX = 4
+
+
 class BatchDecoder:
     """Rows that join and leave between decode steps (continuous batching): one forward pass a
     step for every row, each at its own position. The engine of generate_batch and of the server.
@@ -161,16 +167,21 @@ class BatchDecoder:
     is fed alone, exactly as generate feeds it; in a group a row's logits differ from its lone
     ones by rounding (other shapes), within tests/unit/test_batch.py's bound. The server groups
     on the CPU only: MLX's CUDA backend compiles every new shape of a group (docs/server.md).
+
+    With `stepped_rests`, a short rest after a cached prefix goes through the decode step instead
+    of a prefill pass (STEPPED_REST_MAX); the server does so on a GPU.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
-                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0, group: bool = False):
+                 prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0, group: bool = False,
+                 stepped_rests: bool = False):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         check_kv_size(max_kv_size, keep)
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
         # A ring's rows take one token at a time (cache.RingKVCache): no groups with a max_kv_size.
         self.group = group and not max_kv_size
+        self.stepped_rests = stepped_rests
         # Where prompts start from keys and values computed before, and where finished rows leave theirs.
         self.prompt_cache = prompt_cache
         # With a max_kv_size every row keeps its first `keep` and its last positions (cache.RingKVCache),
@@ -214,6 +225,8 @@ class BatchDecoder:
             return self._prefill_group(group)
         joining = self.joining[0]
         ids = joining.row.request.ids
+        if self.stepped_rests and 0 < joining.fed and len(ids) - joining.fed <= STEPPED_REST_MAX:
+            return self._step_rest(joining)
         chunk = ids[joining.fed : joining.fed + self.chunk]
         hidden = self.model.hidden_states(mx.array([chunk]), joining.cache)
         joining.fed += len(chunk)
@@ -223,6 +236,17 @@ class BatchDecoder:
             return []
         self.joining.popleft()
         return self._joined(joining, self.model.head(hidden[:, -1:])[0, -1])
+
+    def _step_rest(self, joining: Joining) -> list[Row]:
+        """The first joining prompt's short rest fed one token a decode step (model.step: the CUDA
+        kernels where they run), as a sequence's generated tokens are."""
+        ids = joining.row.request.ids
+        for token in ids[joining.fed :]:
+            logits = self.model.step(mx.array([[token]]), joining.cache)
+        joining.row.prefilled_tokens += len(ids) - joining.fed
+        joining.fed = len(ids)
+        self.joining.popleft()
+        return self._joined(joining, logits[0])
 
     def _group(self) -> list[Joining]:
         """The joining prompts at the front of the queue whose rests, padded to the longest, fit

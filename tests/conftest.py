@@ -68,11 +68,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(f"{count} skipped: {reason}")
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A loopback port nothing uses now, and the `count` - 1 after it (mlx.launch's ring listens on
+    the starting port and the next, one a rank)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for following in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", following))
+            return port
+        except OSError:
+            continue
 
 
 def wait_until_serving(url: str, process: subprocess.Popen, seconds: float = 60) -> None:

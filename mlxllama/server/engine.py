@@ -200,11 +200,12 @@ def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUN
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
     # Joiners prefilled together: on the CPU a burst's TTFT p95 fell by half; on an H100 each new
     # shape of a group compiled anew (0.2 s to 99 s) and the server did worse (docs/server.md).
-    group = mx.default_device() == mx.cpu
-    if mx.default_device() == mx.gpu:
+    # There a cached prompt's last tokens go through the decode step's kernels instead.
+    gpu = mx.default_device() == mx.gpu
+    if gpu:
         warm_up(BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, None, max_kv_size, keep))
     return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep,
-                        group)
+                        group=not gpu, stepped_rests=gpu)
 
 
 def warm_up(decoder: BatchDecoder) -> None:

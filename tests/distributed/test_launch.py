@@ -31,7 +31,7 @@ def launch(*command: str, n: int = 2, timeout: float = 240, stdin: str | None = 
     """`mlx.launch -n N --backend ring -- COMMAND` (mlx.launch exits 0 whatever its ranks do, so
     callers check the output)."""
     return subprocess.run([str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring", "--starting-port",
-                           str(free_port()), "--", *command], input=stdin, capture_output=True, text=True,
+                           str(free_port(n)), "--", *command], input=stdin, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
 
 
@@ -84,7 +84,7 @@ def single(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def test_generate_and_chat_under_launch_answer_as_one_process(split):
     args = ["generate", "-p", "What is 17 plus 25?", "--json"]
     launched = launch(*mlxllama_cli(*args, *split))
-    assert launched.stdout.count("\n") == 1, launched.stdout  # rank 0 alone writes
+    assert launched.stdout.count("\n") == 1, launched.stdout + launched.stderr  # rank 0 alone writes
     expected = json.loads(single(*args).stdout)
     got = json.loads(launched.stdout)
     assert (got["token_ids"], got["text"]) == (expected["token_ids"], expected["text"]) == (
@@ -134,7 +134,7 @@ def rank_pid(rank: int, tag: str) -> int | None:
 def test_a_killed_rank_ends_the_run_and_a_rerun_loses_nothing(tmp_path):
     prompts = prompts_file(tmp_path / "in.jsonl", 40)
     out = tmp_path / "out.jsonl"
-    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2)), "--",
                *mlxllama_cli("batch", str(prompts), "-o", str(out), "-n", "16", "-b", "2", "--data-parallel")]
     tag = str(time.time_ns())
     env = {**os.environ, "MLXLLAMA_TEST_RUN": tag}
@@ -195,8 +195,9 @@ def test_each_rank_holds_its_share_of_the_layers_and_the_replicated_rest(tmp_pat
 def test_serve_under_launch_answers_concurrent_clients_as_one_process(split):
     import openai
 
-    port = free_port()
-    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+    ring = free_port(2)
+    port = next(p for p in iter(free_port, None) if p not in (ring, ring + 1))
+    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(ring), "--",
                *mlxllama_cli("serve", "--port", str(port), *split)]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as server:

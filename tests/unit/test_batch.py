@@ -131,6 +131,44 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
         np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=1e-4)
 
 
+def test_a_short_rest_after_a_cached_prefix_goes_through_the_decode_step(runtime, prompts, monkeypatch):
+    """stepped_rests (the server's, on a GPU): a prompt the prompt cache holds but for its last 3
+    tokens feeds them as 3 decode steps, no prefill pass; the same ids and log-probabilities
+    (within 1e-4: a step and a pass round apart) as the prefill pass gives."""
+    model = runtime.model
+    rows, passes = {}, {}
+    for stepped in (False, True):
+        decoder = BatchDecoder(model, runtime.tokenizer, 4, prompt_cache=PromptCache(1 << 24), stepped_rests=stepped)
+        decoder.admit(-1, Request(prompts[5][:-3], 1))
+        decoder.prefill_chunk()
+        row = decoder.admit(0, Request(prompts[5], 6, logprobs=0))
+        fed = []
+        real_pass, real_step = model.hidden_states, model.step
+
+        def step(tokens, cache):  # what a step does inside (the plain step may run a pass) is not a prefill pass
+            fed.append("step")
+            monkeypatch.setattr(model, "hidden_states", real_pass)
+            logits = real_step(tokens, cache)
+            monkeypatch.setattr(model, "hidden_states", prefill_pass)
+            return logits
+
+        def prefill_pass(tokens, cache=None):
+            fed.append("pass")
+            return real_pass(tokens, cache)
+
+        monkeypatch.setattr(model, "hidden_states", prefill_pass)
+        monkeypatch.setattr(model, "step", step)
+        decoder.prefill_chunk()
+        monkeypatch.undo()
+        while decoder.rows:
+            decoder.step()
+        rows[stepped], passes[stepped] = row, fed
+    assert passes == {False: ["pass"], True: ["step"] * 3}
+    assert rows[True].ids == rows[False].ids and rows[True].prefilled_tokens == rows[False].prefilled_tokens == 3
+    np.testing.assert_allclose([t.logprob for t in rows[True].logprobs], [t.logprob for t in rows[False].logprobs],
+                               atol=1e-4)
+
+
 def feed_burst(runtime, prompts, group: bool, monkeypatch):
     """Every prompt admitted at once, the last continuing a stored prefix of itself, then prefilled
     and decoded to its end: the shapes fed, each row's first-layer keys as stored, and the rows."""
