@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxllama
+from mlxllama.cache import KVQuantization
 from mlxllama.cli import main
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import generate_tokens
@@ -107,6 +108,21 @@ def test_the_cache_after_it_is_the_cache_of_a_run_that_never_drafted():
     a, b = rt.model(following, plain_cache)[0, -1], rt.model(following, spec_cache)[0, -1]
     # The drafted positions' keys came from (k+1)-row passes: equal to single steps within rounding.
     assert float(mx.abs(a - b).max()) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_decodes_the_same_with_lookup_and_rolls_back_exactly(bits):
+    """--kv-bits with speculation: the (k+1)-row check stores its keys quantized as single steps do,
+    rejected positions are trimmed from the quantized buffers, and the greedy ids are plain decoding's."""
+    rt = mlxllama.load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf", kv_quantization=KVQuantization(bits))
+    ids = rt.tokenize("Once upon a time")
+    plain_cache, spec_cache = rt.new_cache(), rt.new_cache()
+    plain = list(generate_tokens(rt.model, plain_cache, ids, make_sampler(SamplingParams()), 50, ()))
+    speculation = Speculation(PromptLookup(2), SamplingParams(), 5)
+    drafted = list(speculation(rt.model, spec_cache, ids, 50, (), ()))
+    assert all(c.quantized for c in spec_cache) and speculation.drafted > speculation.accepted > 0
+    assert_same_greedy(rt, ids, drafted, plain)
+    assert [c.offset for c in spec_cache] == [c.offset for c in plain_cache] == [len(ids) + 50] * len(spec_cache)
 
 
 def test_penalties_and_bias_are_applied_at_every_drafted_position():
