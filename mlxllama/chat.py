@@ -38,8 +38,6 @@ class ChatSession:
         # no turn is dropped, the cache keeps the first `keep` positions and the latest ones.
         check_kv_size(max_kv_size, keep)
         self.max_kv_size, self.keep = max_kv_size, keep
-        if speculation is not None and max_kv_size:
-            raise MlxLlamaError("speculative decoding does not take --max-kv-size yet")
         self.speculation = speculation  # drafts the model checks, or None
         self.system = system
         self.messages: list[dict[str, str]] = []

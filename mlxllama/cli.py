@@ -355,7 +355,8 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     session = ChatSession(runtime, template, system, params, sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True),
                           max_kv_size=max_kv_size, keep=keep,
-                          speculation=runtime.speculation(load_draft(draft_model, lookup), params, draft_tokens))
+                          speculation=runtime.speculation(load_draft(draft_model, lookup), params, draft_tokens,
+                                                          max_kv_size, keep))
     saved = load_prompt_cache(prompt_cache_file, runtime, template)
     if saved is not None:
         # The conversation starts with its system prompt: the cached prefix must be that.

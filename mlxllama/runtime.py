@@ -109,9 +109,9 @@ class Runtime:
             cache = prompt_cache.restore(entry, cached, self.model)
         else:
             cache = self.model.make_cache(max_kv_size=max_kv_size, keep=keep)
-        if draft is not None and (constraint is not None or max_kv_size):
-            raise MlxLlamaError("speculative decoding does not take a constraint or --max-kv-size yet")
-        speculation = self.speculation(draft, params, draft_tokens)
+        if draft is not None and constraint is not None:
+            raise MlxLlamaError("speculative decoding does not take a constraint yet")
+        speculation = self.speculation(draft, params, draft_tokens, max_kv_size, keep)
         sampler = make_sampler(params, self.model.sampling_group)
         return TextStream(self.model, self.tokenizer, cache, ids, sampler, max_tokens, stop,
                           new_ids=ids[cached:], guide=guide, speculate=speculation)
@@ -142,13 +142,15 @@ class Runtime:
         return ChatReply(content if calls else result.text, calls, "tool_calls" if calls else result.finish_reason,
                          result)
 
-    def speculation(self, draft: Runtime | int | None, params: SamplingParams, draft_tokens: int = 4
-                    ) -> Speculation | None:
-        """Speculative decoding's drafter for this model: another model of its vocabulary, or an
-        int n for prompt lookup over n-grams (None: no speculation)."""
+    def speculation(self, draft: Runtime | int | None, params: SamplingParams, draft_tokens: int = 4,
+                    max_kv_size: int = 0, keep: int = 0) -> Speculation | None:
+        """Speculative decoding's drafter for this model: another model of its vocabulary (its cache
+        bounded by `max_kv_size` as the model's is), or an int n for prompt lookup over n-grams
+        (None: no speculation)."""
         if draft is None:
             return None
-        drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer)
+        drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer, max_kv_size,
+                                                                                 keep)
         return Speculation(drafter, params, draft_tokens)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),

@@ -20,12 +20,14 @@ drafted would hold.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from .cache import rotates
 from .errors import MlxLlamaError
 from .generate import generation_room, prefill
 from .prompt_cache import common_prefix
@@ -111,10 +113,13 @@ class DraftModel:
     """Drafts with a smaller model of the same vocabulary, from a cache of its own that follows the
     text (trimmed to what it shares with the text before each proposal)."""
 
-    def __init__(self, runtime, target_tokenizer):
+    def __init__(self, runtime, target_tokenizer, max_kv_size: int = 0, keep: int = 0):
         check_same_vocabulary(runtime.tokenizer, target_tokenizer, runtime.path)
         self.model = runtime.model
-        self.cache = runtime.model.make_cache(bounded=False)
+        # Bounded as the model's own cache is (max_kv_size: a rotating cache), so that a long run
+        # holds no more for the draft than for the model.
+        self.bounds = dict(bounded=bool(max_kv_size), max_kv_size=max_kv_size, keep=keep)
+        self.cache = runtime.model.make_cache(**self.bounds)
         self.fed: list[int] = []
 
     def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[mx.array | None]]:
@@ -123,6 +128,8 @@ class DraftModel:
         shared = common_prefix(self.fed, context, len(context) - 1)  # at least one token to feed, for the next logits
         for layer in self.cache:
             layer.trim(self.cache[0].offset - shared)
+        if self.cache[0].offset != shared:  # a rotating cache that dropped what the text went back to
+            self.cache, shared = self.model.make_cache(**self.bounds), 0
         logits = prefill(self.model, list(context[shared:]), self.cache)
         drafts, qs = [], []
         while True:
@@ -177,7 +184,8 @@ def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingPar
                        stop_ids, history: Sequence[int], speculation: Speculation) -> Iterator[int]:
     """generate_tokens' contract, with drafts checked k at a time: up to max_tokens ids, each fed
     into the cache by the end (a stop id is yielded, then generation ends)."""
-    context_length = model.config.context_length
+    # A rotating cache may run past the context: only the drafts' own bound limits them then.
+    context_length = math.inf if rotates(cache) else model.config.context_length
     max_tokens = generation_room(model, cache, new_ids, max_tokens)
     if max_tokens <= 0:
         return
