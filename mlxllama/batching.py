@@ -146,6 +146,11 @@ class Joining:
     cache: list
     fed: int = 0
 
+    def fed_through(self, n: int) -> None:
+        """n more of the prompt's tokens went through the model (not from the prompt cache)."""
+        self.fed += n
+        self.row.prefilled_tokens += n
+
 
 # With `stepped_rests`, a rest of at most this many tokens after a cached prefix (a prompt the prompt
 # cache holds but for its last token or two) is fed one decode step a token: on an H100 a prefill
@@ -229,8 +234,7 @@ class BatchDecoder:
             return self._step_rest(joining)
         chunk = ids[joining.fed : joining.fed + self.chunk]
         hidden = self.model.hidden_states(mx.array([chunk]), joining.cache)
-        joining.fed += len(chunk)
-        joining.row.prefilled_tokens += len(chunk)
+        joining.fed_through(len(chunk))
         if joining.fed < len(ids):
             mx.eval([c.state for c in joining.cache])
             return []
@@ -243,14 +247,13 @@ class BatchDecoder:
         ids = joining.row.request.ids
         for token in ids[joining.fed :]:
             logits = self.model.step(mx.array([[token]]), joining.cache)
-        joining.row.prefilled_tokens += len(ids) - joining.fed
-        joining.fed = len(ids)
+        joining.fed_through(len(ids) - joining.fed)
         self.joining.popleft()
         return self._joined(joining, logits[0])
 
     def _group(self) -> list[Joining]:
-        """The joining prompts at the front of the queue whose rests, padded to the longest, fit
-        in one chunk together: fed in one pass when more than one."""
+        """The joining prompts at the front of the queue (a prefix of it) whose rests, padded to the
+        longest, fit in one chunk together: fed in one pass when more than one."""
         if not self.group:
             return []
         group: list[Joining] = []
@@ -282,9 +285,8 @@ class BatchDecoder:
         logits = self.model.head(last)
         finished = []
         for i, (joining, rest) in enumerate(zip(group, rests)):
-            self.joining.remove(joining)
-            joining.fed += len(rest)
-            joining.row.prefilled_tokens += len(rest)
+            self.joining.popleft()  # the group is the queue's front
+            joining.fed_through(len(rest))
             joining.cache = [layer.single(i) for layer in cache]
             finished += self._joined(joining, logits[i])
         return finished

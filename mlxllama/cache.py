@@ -511,7 +511,7 @@ class BatchKVCache:
         keys, values = self._stored(keys, values, end)
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
-        self._reserve(end)
+        self.make_room(new)
         slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
         self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
