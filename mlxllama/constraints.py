@@ -166,6 +166,7 @@ class Guide:
         self._bits = mx.arange(32, dtype=mx.uint32)
         mx.eval(self._bits)
         self._recent: OrderedDict[bytes, mx.array] = OrderedDict()  # masks' words on the device, newest last
+        self._moved: list[bool] = []  # for each accepted token, whether the matcher took a new state (rollback)
 
     def allowed_ids(self) -> np.ndarray:
         """A bool per token id: may it come next?"""
@@ -194,9 +195,25 @@ class Guide:
         return mask[:n_logits] if n_logits < mask.size else mask
 
     def accept(self, token_id: int) -> None:
+        stopped = self.matcher.is_stopped()
         if not self.matcher.consume_token(token_id):
             raise MlxLlamaError(f"token {token_id} broke the {NAMES[self.constraint.kind]} constraint: "
                                 f"{one_line(self.matcher.get_error())}")
+        self._moved.append(not stopped)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n accepted tokens (speculative decoding's kept drafts, checked ahead)."""
+        # A stopped matcher takes the stop token without a new state: rolling that back must not
+        # undo the token before it.
+        moved = sum(self._moved[len(self._moved) - n :])
+        del self._moved[len(self._moved) - n :]
+        self.matcher.rollback(moved)
+
+    def allows_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the constraint allows next (the guide stays where it is)."""
+        n = self.matcher.try_consume_tokens(tokens)
+        self.matcher.rollback(n)
+        return n
 
     @property
     def complete(self) -> bool:

@@ -286,7 +286,7 @@ class TextStream:
         first_token_time = None
         if self.speculate is not None:
             tokens = self.speculate(self.model, self.cache, self.new_ids, self.max_tokens, self.tokenizer.stop_ids,
-                                    history)
+                                    history, self.guide)
         else:
             tokens = generate_tokens(self.model, self.cache, self.new_ids, self.sampler, self.max_tokens,
                                      self.tokenizer.stop_ids, history, self.guide)

@@ -21,7 +21,7 @@ from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
 from .sharding import Shard, plan_shard
-from .speculative import DraftModel, PromptLookup, Speculation
+from .speculative import Drafting, Speculation
 from .tokenizer import Tokenizer
 from .tool_calls import ToolCall, read_tool_choice, read_tools, template_message, tool_use
 from .weights import load_model
@@ -109,8 +109,6 @@ class Runtime:
             cache = prompt_cache.restore(entry, cached, self.model)
         else:
             cache = self.model.make_cache(max_kv_size=max_kv_size, keep=keep)
-        if draft is not None and constraint is not None:
-            raise MlxLlamaError("speculative decoding does not take a constraint yet")
         speculation = self.speculation(draft, params, draft_tokens, max_kv_size, keep)
         sampler = make_sampler(params, self.model.sampling_group)
         return TextStream(self.model, self.tokenizer, cache, ids, sampler, max_tokens, stop,
@@ -142,16 +140,21 @@ class Runtime:
         return ChatReply(content if calls else result.text, calls, "tool_calls" if calls else result.finish_reason,
                          result)
 
+    def drafting(self, draft: Runtime | int, draft_tokens: int = 4) -> Drafting:
+        """How sequences of this model are drafted for: by another loaded model of its vocabulary
+        (checked here), or by prompt lookup over n-grams of up to an int n."""
+        if isinstance(draft, int):
+            return Drafting(draft_tokens, lookup=draft)
+        return Drafting.with_model(draft, self.tokenizer, draft_tokens)
+
     def speculation(self, draft: Runtime | int | None, params: SamplingParams, draft_tokens: int = 4,
                     max_kv_size: int = 0, keep: int = 0) -> Speculation | None:
-        """Speculative decoding's drafter for this model: another model of its vocabulary (its cache
-        bounded by `max_kv_size` as the model's is), or an int n for prompt lookup over n-grams
-        (None: no speculation)."""
+        """Speculative decoding of one sequence (see `drafting`; a draft model's cache bounded by
+        `max_kv_size` as the model's is; None: no speculation)."""
         if draft is None:
             return None
-        drafter = PromptLookup(draft) if isinstance(draft, int) else DraftModel(draft, self.tokenizer, max_kv_size,
-                                                                                 keep)
-        return Speculation(drafter, params, draft_tokens)
+        drafting = self.drafting(draft, draft_tokens)
+        return Speculation(drafting.drafter(max_kv_size, keep), params, drafting.k)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, params: SamplingParams = SamplingParams(),
                  stop: Sequence[str] = (), special: bool = False, constraint: Constraint | None = None,

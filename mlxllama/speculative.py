@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .cache import rotates
+from .constraints import Guide
 from .errors import MlxLlamaError
 from .generate import generation_room, prefill
 from .prompt_cache import common_prefix
@@ -58,23 +59,54 @@ class Chooser:
     def uniform(self) -> float:
         return float(mx.random.uniform(key=self._next_key()).item())
 
-    def pick(self, logits: mx.array, context: Sequence[int], generated: Counter) -> int:
-        """The model's token after `context` from its logits there."""
+    def processed(self, logits: mx.array, context: Sequence[int], generated: Counter,
+                   allowed: mx.array | None) -> mx.array:
+        """Plain decoding's processors, then a constraint's mask (allowed), as make_sampler applies them."""
         logits = process_logits(logits, self.params, context, generated)
+        return logits if allowed is None else mx.where(allowed, logits, mx.array(-math.inf, logits.dtype))
+
+    def pick(self, logits: mx.array, context: Sequence[int], generated: Counter, allowed: mx.array | None = None) -> int:
+        """The model's token after `context` from its logits there (among the `allowed`, if given)."""
+        logits = self.processed(logits, context, generated, allowed)
         if self.params.temperature <= 0:
             return int(mx.argmax(logits).item())
         return self.draw(distribution(logits, self.params))
 
     def check(self, logits: mx.array, context: Sequence[int], generated: Counter, draft: int,
-              q: mx.array | None) -> tuple[bool, int]:
+              q: mx.array | None, allowed: mx.array | None = None) -> tuple[bool, int]:
         """(kept, token) for a draft at a position: greedy keeps it where it is the model's pick;
         sampled keeps it with probability min(1, p(d) / q(d)) (q None: all on the draft), else
-        draws from max(0, p - q) normalized."""
-        logits = process_logits(logits, self.params, context, generated)
+        draws from max(0, p - q) normalized. A draft the constraint rules out has p(d) = 0."""
+        logits = self.processed(logits, context, generated, allowed)
         if self.params.temperature <= 0:
             token = int(mx.argmax(logits).item())
             return token == draft, token
         return rejection_step(distribution(logits, self.params), q, draft, self)
+
+
+def verify(chooser: Chooser, logits: mx.array, drafts: Sequence[int], qs: Sequence[mx.array | None],
+           context: Sequence[int], generated: Counter, guide: Guide | None = None) -> tuple[list[int], int]:
+    """The drafts the model keeps, and its own token after them: logits[i] are the model's after
+    context + drafts[:i] (one pass over the last decided token and the drafts). With a guide (a
+    constraint), each position's mask is the guide's after the drafts kept before it; the guide
+    is left as it was found, for the caller to feed the kept tokens as they are emitted."""
+    accepted: list[int] = []
+    try:
+        for i, draft in enumerate(drafts):
+            allowed = guide.allowed(logits.shape[-1]) if guide is not None else None
+            kept, chosen = chooser.check(logits[i], list(context) + accepted, generated + Counter(accepted), draft,
+                                         qs[i], allowed)
+            if not kept:
+                return accepted, chosen  # the model's own token in the rejected draft's place
+            accepted.append(draft)
+            if guide is not None:
+                guide.accept(draft)
+        allowed = guide.allowed(logits.shape[-1]) if guide is not None else None
+        return accepted, chooser.pick(logits[len(accepted)], list(context) + accepted, generated + Counter(accepted),
+                                      allowed)
+    finally:
+        if guide is not None and accepted:
+            guide.rollback(len(accepted))
 
 
 def rejection_step(p: mx.array, q: mx.array | None, draft: int, chooser: Chooser) -> tuple[bool, int]:
@@ -98,33 +130,39 @@ class PromptLookup:
             raise MlxLlamaError("--lookup takes the n-gram length to match, at least 1")
         self.ngram = ngram
 
-    def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[None]]:
-        """Up to k drafts; their distribution is all on them (None)."""
+    def propose(self, context: Sequence[int], k: int, chooser: Chooser,
+                guide: Guide | None = None) -> tuple[list[int], list[None]]:
+        """Up to k drafts (cut where a constraint's guide would rule one out); their distribution
+        is all on them (None)."""
         for size in range(min(self.ngram, len(context) - 1), 0, -1):
             tail = list(context[-size:])
             for start in range(len(context) - size - 1, -1, -1):
                 if list(context[start : start + size]) == tail:
                     drafts = list(context[start + size : start + size + k])
+                    if guide is not None:
+                        drafts = drafts[: guide.allows_prefix(drafts)]
                     return drafts, [None] * len(drafts)
         return [], []
 
 
 class DraftModel:
-    """Drafts with a smaller model of the same vocabulary, from a cache of its own that follows the
-    text (trimmed to what it shares with the text before each proposal)."""
+    """Drafts with a smaller model of the same vocabulary (checked by `Drafting.with_model`), from a
+    cache of its own that follows the text (trimmed to what it shares with the text before each
+    proposal). Sequences drafted for at once each have their own DraftModel over one shared model."""
 
-    def __init__(self, runtime, target_tokenizer, max_kv_size: int = 0, keep: int = 0):
-        check_same_vocabulary(runtime.tokenizer, target_tokenizer, runtime.path)
-        self.model = runtime.model
+    def __init__(self, model, max_kv_size: int = 0, keep: int = 0):
+        self.model = model
         # Bounded as the model's own cache is (max_kv_size: a rotating cache), so that a long run
         # holds no more for the draft than for the model.
         self.bounds = dict(bounded=bool(max_kv_size), max_kv_size=max_kv_size, keep=keep)
-        self.cache = runtime.model.make_cache(**self.bounds)
+        self.cache = model.make_cache(**self.bounds)
         self.fed: list[int] = []
 
-    def propose(self, context: Sequence[int], k: int, chooser: Chooser) -> tuple[list[int], list[mx.array | None]]:
+    def propose(self, context: Sequence[int], k: int, chooser: Chooser,
+                guide: Guide | None = None) -> tuple[list[int], list[mx.array | None]]:
         """Up to k drafts after `context`, greedy or drawn from the draft's own distribution (with
-        the model's sampling settings), and that distribution at each (None when greedy)."""
+        the model's sampling settings, and a constraint's mask where a guide is given), and that
+        distribution at each (None when greedy)."""
         shared = common_prefix(self.fed, context, len(context) - 1)  # at least one token to feed, for the next logits
         for layer in self.cache:
             layer.trim(self.cache[0].offset - shared)
@@ -132,19 +170,55 @@ class DraftModel:
             self.cache, shared = self.model.make_cache(**self.bounds), 0
         logits = prefill(self.model, list(context[shared:]), self.cache)
         drafts, qs = [], []
-        while True:
-            logits = process_logits(logits, chooser.params, list(context) + drafts, Counter())
-            if chooser.params.temperature <= 0:
-                drafts.append(int(mx.argmax(logits).item()))
-                qs.append(None)
-            else:
-                qs.append(distribution(logits, chooser.params))
-                drafts.append(chooser.draw(qs[-1]))
-            if len(drafts) == k:
-                break
-            logits = self.model.step(mx.array([[drafts[-1]]]), self.cache)[0]
+        try:
+            while True:
+                allowed = guide.allowed(logits.shape[-1]) if guide is not None else None
+                logits = chooser.processed(logits, list(context) + drafts, Counter(), allowed)
+                if chooser.params.temperature <= 0:
+                    drafts.append(int(mx.argmax(logits).item()))
+                    qs.append(None)
+                else:
+                    qs.append(distribution(logits, chooser.params))
+                    drafts.append(chooser.draw(qs[-1]))
+                if guide is not None:
+                    guide.accept(drafts[-1])
+                if len(drafts) == k:
+                    break
+                logits = self.model.step(mx.array([[drafts[-1]]]), self.cache)[0]
+        finally:
+            if guide is not None:
+                guide.rollback(len(drafts))
         self.fed = list(context) + drafts[:-1]
         return drafts, qs
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """How a sequence is drafted for, k tokens at a time: prompt lookup over n-grams of up to
+    `lookup` tokens, or a draft model (`model`, a Transformer whose vocabulary was checked: make it
+    with `with_model`). One Drafting serves many sequences: each gets a drafter of its own."""
+
+    k: int = 4
+    lookup: int | None = None
+    model: object = None
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise MlxLlamaError("--draft-tokens must be at least 1")
+        if (self.lookup is None) == (self.model is None):
+            raise MlxLlamaError("--draft-model and --lookup exclude each other: give one drafter")
+        if self.lookup is not None and self.lookup < 1:
+            raise MlxLlamaError("--lookup takes the n-gram length to match, at least 1")
+
+    @classmethod
+    def with_model(cls, draft, target_tokenizer, k: int = 4) -> Drafting:
+        """Drafting by `draft` (a loaded Runtime) for a model of `target_tokenizer`'s vocabulary."""
+        check_same_vocabulary(draft.tokenizer, target_tokenizer, draft.path)
+        return cls(k, model=draft.model)
+
+    def drafter(self, max_kv_size: int = 0, keep: int = 0) -> PromptLookup | DraftModel:
+        """A new sequence's drafter (a draft model's cache bounded as the sequence's own is)."""
+        return PromptLookup(self.lookup) if self.lookup is not None else DraftModel(self.model, max_kv_size, keep)
 
 
 def check_same_vocabulary(draft, target, path: str) -> None:
@@ -176,14 +250,16 @@ class Speculation:
         if self.k < 1:
             raise MlxLlamaError("--draft-tokens must be at least 1")
 
-    def __call__(self, model, cache, new_ids, max_tokens, stop_ids, history) -> Iterator[int]:
-        return speculative_tokens(model, cache, new_ids, self.params, max_tokens, stop_ids, history, self)
+    def __call__(self, model, cache, new_ids, max_tokens, stop_ids, history, guide=None) -> Iterator[int]:
+        return speculative_tokens(model, cache, new_ids, self.params, max_tokens, stop_ids, history, self, guide)
 
 
 def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingParams, max_tokens: int,
-                       stop_ids, history: Sequence[int], speculation: Speculation) -> Iterator[int]:
+                       stop_ids, history: Sequence[int], speculation: Speculation,
+                       guide: Guide | None = None) -> Iterator[int]:
     """generate_tokens' contract, with drafts checked k at a time: up to max_tokens ids, each fed
-    into the cache by the end (a stop id is yielded, then generation ends)."""
+    into the cache by the end (a stop id is yielded, then generation ends); with a guide, each
+    among the tokens its constraint allows."""
     # A rotating cache may run past the context: only the drafts' own bound limits them then.
     context_length = math.inf if rotates(cache) else model.config.context_length
     max_tokens = generation_room(model, cache, new_ids, max_tokens)
@@ -192,38 +268,36 @@ def speculative_tokens(model, cache, new_ids: Sequence[int], params: SamplingPar
     stop_ids = frozenset(stop_ids)
     context, generated = list(history) + list(new_ids), Counter()
     chooser = Chooser(params)
-    token = chooser.pick(prefill(model, new_ids, cache), context, generated)
+    logits = prefill(model, new_ids, cache)
+    token = chooser.pick(logits, context, generated, guide.allowed(logits.shape[-1]) if guide is not None else None)
     produced = 0
-    while True:
-        # `token` is decided and not yet fed: emit it, then feed it with the next drafts.
+
+    def emit(token: int) -> None:
+        nonlocal produced
         context.append(token)
         generated[token] += 1
         produced += 1
+        if guide is not None:
+            guide.accept(token)
+
+    while True:
+        # `token` is decided and not yet fed: emit it, then feed it with the next drafts.
+        emit(token)
         yield token
         if token in stop_ids or produced == max_tokens:
             model.step(mx.array([[token]]), cache)  # so the cache holds every yielded id
             mx.eval([c.state for c in cache])
             return
         room = min(speculation.k, max_tokens - produced, context_length - cache[0].offset - 2)
-        drafts, qs = speculation.drafter.propose(context, room, chooser) if room > 0 else ([], [])
+        drafts, qs = speculation.drafter.propose(context, room, chooser, guide) if room > 0 else ([], [])
         logits = model(mx.array([[token] + drafts]), cache)[0]
-        accepted, following = [], None
-        for i, draft in enumerate(drafts):
-            kept, chosen = chooser.check(logits[i], context + accepted, generated + Counter(accepted), draft, qs[i])
-            if not kept:
-                following = chosen  # the model's own token in the rejected draft's place
-                break
-            accepted.append(draft)
+        accepted, following = verify(chooser, logits, drafts, qs, context, generated, guide)
         speculation.drafted += len(drafts)
         speculation.accepted += len(accepted)
         for layer in cache:
             layer.trim(len(drafts) - len(accepted))
-        if following is None:  # every draft kept: the model's token after them, from the last row
-            following = chooser.pick(logits[len(accepted)], context + accepted, generated + Counter(accepted))
         for n, draft in enumerate(accepted, 1):
-            context.append(draft)
-            generated[draft] += 1
-            produced += 1
+            emit(draft)
             yield draft
             if draft in stop_ids or produced == max_tokens:
                 # The cache holds this draft and the accepted ones after it: cut those off.

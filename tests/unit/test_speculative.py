@@ -264,3 +264,56 @@ def test_every_architecture_decodes_the_same_with_prompt_lookup(model):
     rt = load(REPO_FIXTURES / model)
     ids = rt.tokenize("Once upon a time " * 30)
     assert_same_greedy(rt, ids, rt.generate(ids, 200, draft=3, draft_tokens=5).token_ids, rt.generate(ids, 200).token_ids)
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                "country": {"type": "string", "maxLength": 20}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_a_constrained_reply_is_the_plain_constrained_reply(draft):
+    """A JSON Schema with speculation: drafters propose under the constraint (lookup cuts its drafts
+    where the constraint would rule one out; a draft model drafts under its masks), each drafted
+    position is checked under the mask after the drafts kept before it, so greedy ids are plain
+    constrained decoding's, and the reply parses and matches the schema. The second question's reply
+    ends where the constraint stops: rolling back a stopped matcher is Guide.rollback's care."""
+    from mlxllama.constraints import Constraint
+
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    constraint = Constraint.json_schema(CITY_SCHEMA)
+    for question in QUESTIONS[:2]:
+        ids = chat_ids(rt, question)
+        plain = rt.generate(ids, 60, constraint=constraint)
+        result = rt.generate(ids, 60, constraint=constraint, draft=2 if draft == "lookup" else rt, draft_tokens=4)
+        assert_same_greedy(rt, ids, result.token_ids, plain.token_ids)
+        assert set(json.loads(result.text)) == {"city", "country"} and result.drafted >= result.accepted > 0
+        if draft == "model" and rt.model.compute_dtype == mx.float32:  # it drafts under the same mask: always right
+            assert result.accepted == result.drafted
+    # Sampled, every token is among those the constraint allows (Guide.accept raises otherwise);
+    # a reply that ran out of tokens in the schema's free whitespace is a prefix of a valid one.
+    for draft in (2, rt):
+        for seed in range(3):
+            result = rt.generate(chat_ids(rt, QUESTIONS[0]), 60, constraint=constraint, draft=draft, temperature=1.0,
+                                 seed=seed)
+            assert result.finish_reason == "length" or set(json.loads(result.text)) == {"city", "country"}
+
+
+def test_a_rejected_draft_leaves_the_constraint_where_it_was():
+    """verify() checks drafts ahead under the constraint and rolls the matcher back: the caller
+    feeds the kept tokens as it emits them."""
+    from mlxllama.constraints import Constraint, Guide
+    from mlxllama.speculative import verify
+
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    guide = Guide(Constraint.regex("ab+"), rt.tokenizer)
+    a, b = (next(i for i in range(rt.tokenizer.vocab_size) if rt.tokenizer.id_to_piece(i) == c) for c in "ab")
+    logits = mx.zeros((3, rt.tokenizer.vocab_size)).at[:, b].add(5.0)  # the model wants "b" everywhere
+    before = guide.allowed(logits.shape[-1])
+    accepted, following = verify(Chooser(SamplingParams()), logits, [b, a], [None, None], [], Counter(), guide)
+    assert accepted == [] and following != b  # "b" first is ruled out: the model's best allowed token instead
+    assert mx.array_equal(guide.allowed(logits.shape[-1]), before)
+    guide.accept(a)
+    accepted, following = verify(Chooser(SamplingParams()), logits, [b, a], [None, None], [], Counter(), guide)
+    assert accepted == [b] and following == b  # "a" after "ab" is ruled out; the model's "b" replaces it
+    assert guide.allowed(logits.shape[-1])[b].item() and not guide.allowed(logits.shape[-1])[a].item()
