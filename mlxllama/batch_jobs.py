@@ -28,6 +28,7 @@ from .generate import GenerationResult, check_fits
 from .prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for, with_system
 from .prompt_files import SavedPrefix
 from .sampling import SamplingParams
+from .speculative import Drafting
 
 # Keys an input line may carry, the types each accepts, and how to say so; other keys are ignored,
 # so a line can carry data of its own (an expected answer, say).
@@ -65,6 +66,7 @@ class BatchSettings:
     prompt_cache: SavedPrefix | None = None  # lines' prompts must start with it; only what follows is prefilled
     max_kv_size: int = 0  # with it, each row's cache keeps its first `keep` and last positions
     keep: int = 4
+    drafting: Drafting | None = None  # speculative decoding of every line (a draft model, or prompt lookup)
 
 
 @dataclass
@@ -120,7 +122,8 @@ def build_job(entry: dict, job_id: Any, runtime, settings: BatchSettings) -> Job
     if constraint is not None:
         constraint.check(runtime.tokenizer)
     request = Request((), entry.get("max_tokens", settings.max_tokens), settings.params.with_overrides(**overrides),
-                      tuple([stop] if isinstance(stop, str) else stop), constraint=constraint)
+                      tuple([stop] if isinstance(stop, str) else stop), constraint=constraint,
+                      drafting=settings.drafting)
     job = Job(job_id, [], [])
     for run_template in [template, NO_TEMPLATE] if settings.compare_template else [template]:
         prompt = build_prompt(runtime.tokenizer, run_template, messages, settings.template_kwargs)
@@ -237,6 +240,7 @@ class OrderedWriter:
 
 
 def run_record(prompt: Prompt, result: GenerationResult) -> dict:
+    speculation = {"drafted": result.drafted, "accepted": result.accepted} if result.drafted else {}
     return {
         "template": prompt.template,
         "prompt": prompt.text,
@@ -244,6 +248,7 @@ def run_record(prompt: Prompt, result: GenerationResult) -> dict:
         "text": result.text,
         "token_ids": result.token_ids,
         "finish_reason": result.finish_reason,
+        **speculation,
         "timings": result.timings(),
     }
 
@@ -279,6 +284,8 @@ class BatchStats:
     errors: int = 0  # input lines reported and skipped
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding's drafts, and those the model kept
+    accepted_tokens: int = 0
     seconds: float = 0.0
     batch_size: int = 0
     interrupted: bool = False
@@ -322,6 +329,8 @@ def run_jobs(runtime, jobs: list[Job], out: TextIO, batch_size: int, stats: Batc
                 results[position][run] = result
                 stats.prompt_tokens += len(result.prompt_ids)
                 stats.generated_tokens += len(result.token_ids)
+                stats.drafted_tokens += result.drafted
+                stats.accepted_tokens += result.accepted
                 if all(r is not None for r in results[position]):
                     writer.put(position, job_record(jobs[position], results[position]))
                     written()

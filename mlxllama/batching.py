@@ -19,7 +19,7 @@ batch it runs in.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -32,6 +32,7 @@ from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
+from .speculative import Chooser, Drafting, verify
 from .tokenizer import Tokenizer
 
 
@@ -49,6 +50,8 @@ class Request:
     prompt_logprobs: bool = False
     # What the output must match (a JSON Schema, any JSON object, a regex or a grammar), if anything.
     constraint: Constraint | None = None
+    # Speculative decoding: how this sequence is drafted for (prompt lookup or a draft model), if at all.
+    drafting: Drafting | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ class Row:
     def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None, group=None):
         self.index, self.request = index, request
         self.sampler = make_sampler(request.params, group)  # group: a split model's ranks (make_sampler)
+        # With speculation every token is chosen by the Chooser (one random stream), drafted or not.
+        self.drafter = request.drafting.drafter() if request.drafting is not None else None
+        self.chooser = Chooser(request.params) if request.drafting is not None else None
+        self.drafted = self.accepted = 0
         self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
         self.context = list(request.ids)  # what the repeat penalty looks back on
         self.ids: list[int] = []
@@ -115,6 +122,19 @@ class Row:
         """The mask of tokens the row's constraint allows next (None: no constraint)."""
         return self.guide.allowed(n_logits) if self.guide is not None else None
 
+    def choose(self, logits: mx.array) -> int:
+        """The next token from the logits after the row's ids (a speculating row's Chooser decides it)."""
+        allowed = self.allowed(logits.shape[-1])
+        if self.chooser is not None:
+            return self.chooser.pick(logits, self.context, Counter(self.ids), allowed)
+        return self.sampler(logits, self.context, allowed=allowed).item()
+
+    def propose(self) -> tuple[list[int], list]:
+        """Drafts to check after the row's last id, and the drafter's distribution at each (none
+        without speculation, or with no room left)."""
+        room = min(self.request.drafting.k, self.max_tokens - len(self.ids)) if self.drafter is not None else 0
+        return self.drafter.propose(self.context, room, self.chooser, self.guide) if room > 0 else ([], [])
+
     def take_text(self) -> str:
         text, self.new_text = self.new_text, ""
         return text
@@ -135,6 +155,7 @@ class Row:
             self.new_text += self.collector.close()
             self._result = GenerationResult.of(self.collector, self.request.ids, self.ids, len(self.request.ids),
                                                self.start, self.first_token_time)
+            self._result.drafted, self._result.accepted = self.drafted, self.accepted
         return self._result
 
 
@@ -204,6 +225,8 @@ class BatchDecoder:
     def admit(self, index, request: Request) -> Row:
         """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
         check_fits(len(request.ids), self.context)
+        if request.drafting is not None and self.max_kv_size:
+            raise MlxLlamaError("speculative decoding in a batch does not run with --max-kv-size yet")
         row = Row(index, request, self.tokenizer, self.context, self.model.sampling_group)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
@@ -298,7 +321,7 @@ class BatchDecoder:
         if self.prompt_cache is not None and all(c.start == 0 for c in joining.cache):  # none dropped: in order
             self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
         row = joining.row
-        if row.accept(row.sampler(last, row.context, allowed=row.allowed(last.shape[-1])).item(), last):
+        if row.accept(row.choose(last), last):
             return [row]
         for layer, row_layer in zip(self.cache, joining.cache):
             layer.add(row_layer)
@@ -306,18 +329,12 @@ class BatchDecoder:
         return []
 
     def step(self) -> list[Row]:
-        """One decode step of every row; the rows it finished, which have left the batch."""
+        """One decode step of every row (with speculation, a check of each row's drafts: up to k + 1
+        tokens a row); the rows it finished, which have left the batch."""
         if not self.rows:
             return []
-        logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
-        if any(row.guide is not None for row in self.rows):
-            mx.async_eval(logits)  # the constraints' masks are built on the host while the device runs the step
-        allowed = [row.allowed(logits.shape[-1]) for row in self.rows]
-        tokens = mx.stack([row.sampler(logits[i], row.context, allowed=allowed[i])
-                           for i, row in enumerate(self.rows)]).tolist()
-        # A row's logits go with its token only where the request asked for log-probabilities.
-        done = [row.accept(token, logits[i] if row.request.logprobs is not None else None)
-                for i, (row, token) in enumerate(zip(self.rows, tokens))]
+        proposals = [row.propose() for row in self.rows]
+        done = self._checked_step(proposals) if any(drafts for drafts, _ in proposals) else self._plain_step()
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished and self.prompt_cache is not None:
             for i, row in enumerate(self.rows):
@@ -329,6 +346,51 @@ class BatchDecoder:
         if finished:
             self.drop(finished)
         return finished
+
+    def _plain_step(self) -> list[bool]:
+        """Each row's last id fed and its next token chosen; whether each row finished."""
+        logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
+        if any(row.guide is not None for row in self.rows):
+            mx.async_eval(logits)  # the constraints' masks are built on the host while the device runs the step
+        if any(row.chooser is not None for row in self.rows):
+            tokens = [row.choose(logits[i]) for i, row in enumerate(self.rows)]
+        else:
+            allowed = [row.allowed(logits.shape[-1]) for row in self.rows]
+            tokens = mx.stack([row.sampler(logits[i], row.context, allowed=allowed[i])
+                               for i, row in enumerate(self.rows)]).tolist()
+        # A row's logits go with its token only where the request asked for log-probabilities.
+        return [row.accept(token, logits[i] if row.request.logprobs is not None else None)
+                for i, (row, token) in enumerate(zip(self.rows, tokens))]
+
+    def _checked_step(self, proposals: list[tuple[list[int], list]]) -> list[bool]:
+        """Speculation's step: each row's last id and its drafts in one pass (rows padded on the
+        right to the most drafts, which their causal masks keep from the real positions), the
+        drafts each row's model keeps and its own token after them, and each row's cache cut to
+        what it kept; whether each row finished."""
+        width = 1 + max(len(drafts) for drafts, _ in proposals)
+        tokens = [[row.ids[-1]] + drafts + [row.ids[-1]] * (width - 1 - len(drafts))
+                  for row, (drafts, _) in zip(self.rows, proposals)]
+        before = list(self.cache[0].lengths)
+        logits = self.model(mx.array(tokens), self.cache)
+        done, lengths = [], []
+        for i, (row, (drafts, qs)) in enumerate(zip(self.rows, proposals)):
+            if row.drafter is None:
+                emitted = [row.choose(logits[i, 0])]
+            else:
+                accepted, following = verify(row.chooser, logits[i], drafts, qs, row.context, Counter(row.ids),
+                                             row.guide)
+                row.drafted, row.accepted = row.drafted + len(drafts), row.accepted + len(accepted)
+                emitted = accepted + [following]
+            lengths.append(before[i] + len(emitted))  # the last id and the kept drafts were fed; not the new token
+            finished = False
+            for j, token in enumerate(emitted):
+                if row.accept(token, logits[i, j] if row.request.logprobs is not None else None):
+                    finished = True
+                    break
+            done.append(finished)
+        for layer in self.cache:
+            layer.cut_rows(lengths)
+        return done
 
     def drop(self, rows: Sequence[Row]) -> None:
         """Take rows out of the batch or the queue to join (finished, or their caller went away),
@@ -370,7 +432,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
 def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], max_tokens: int = 256,
                    params: SamplingParams = SamplingParams(), stop: Sequence[str] = (), batch_size: int = 8,
                    special: bool = False, constraint: Constraint | None = None, max_kv_size: int = 0, keep: int = 4,
-                   **sampling) -> list[GenerationResult]:
+                   draft=None, draft_tokens: int = 4, **sampling) -> list[GenerationResult]:
     """Generate for many prompts with batched decoding; the results come in prompt order.
 
     runtime is what `mlxllama.load` returns. A prompt is a string (tokenized with BOS and no
@@ -378,15 +440,19 @@ def batch_generate(runtime, prompts: Sequence[str | Sequence[int] | Request], ma
     settings of its own (the other settings apply to the others). Sampling keywords (the fields of
     SamplingParams) override `params`. With temperature 0 and no repeat penalty each result's ids
     equal `runtime.generate`'s for that prompt. A `max_kv_size` bounds every row's cache to its
-    first `keep` and last positions, as it bounds `runtime.generate`'s.
+    first `keep` and last positions, as it bounds `runtime.generate`'s. `draft` turns on speculative
+    decoding for every row, as `runtime.generate`'s does: another loaded model of the same vocabulary
+    (one model, a cache a row) or an int n for prompt lookup; each result says what was drafted and
+    accepted.
     """
     params = params.with_overrides(**sampling)
+    drafting = runtime.drafting(draft, draft_tokens) if draft is not None else None
 
     def request(prompt) -> Request:
         if isinstance(prompt, Request):
             return prompt
         ids = runtime.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
-        return Request(ids, max_tokens, params, tuple(stop), constraint=constraint)
+        return Request(ids, max_tokens, params, tuple(stop), constraint=constraint, drafting=drafting)
 
     results: list[GenerationResult | None] = [None] * len(prompts)
     for finished in generate_batch(runtime.model, runtime.tokenizer, [request(p) for p in prompts], batch_size,

@@ -398,6 +398,7 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @constraint_options
 @prompt_cache_option
 @kv_size_options
+@speculation_options
 @parallel_options
 @click.option("--data-parallel", is_flag=True, callback=remember,
               help="Under mlx.launch: every process holds the whole model and runs a share of the lines (instead of"
@@ -405,8 +406,8 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 @click.option("--summary", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="Format of the summary printed to stderr at the end.")
 def batch(model_path, prompts_file, out_path, text_input, batch_size, no_template, template_name, template_file,
-          template_kwargs, system, compare_template, prompt_cache_file, max_kv_size, keep, data_parallel, summary,
-          **sampling):
+          template_kwargs, system, compare_template, prompt_cache_file, max_kv_size, keep, draft_model, lookup,
+          draft_tokens, data_parallel, summary, **sampling):
     """Run every prompt of a JSONL file (or '-' for stdin) with batched decoding; write results in input order.
 
     Each line is a JSON object: "prompt" or "messages", and optionally "id" (default: the line
@@ -423,7 +424,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     from .cache import check_kv_size
     from .prompt import choose_template
 
-    refuse_under_launch(prompt_cache=prompt_cache_file)
+    refuse_under_launch(prompt_cache=prompt_cache_file, draft_model=draft_model, lookup=lookup)
     if data_parallel and not launched():
         raise MlxLlamaError("--data-parallel spreads the lines over the processes of mlx.launch:"
                             " run `mlx.launch -n 2 -- mlxllama batch --data-parallel ...`")
@@ -431,6 +432,8 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     check_kv_size(max_kv_size, keep)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
+    if max_kv_size and (draft_model or lookup is not None):
+        raise MlxLlamaError("batch's speculative decoding does not run with --max-kv-size yet")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -449,8 +452,10 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
             raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one"
                                 " template")
         saved = load_prompt_cache(prompt_cache_file, runtime, template)
+        draft = load_draft(draft_model, lookup)
         settings = BatchSettings(template, system, kwargs, params, sampling["max_tokens"], sampling["stop"],
-                                 compare_template, constraint, saved, max_kv_size, keep)
+                                 compare_template, constraint, saved, max_kv_size, keep,
+                                 runtime.drafting(draft, draft_tokens) if draft is not None else None)
         stats = run_batch(runtime, prompts_file, source, out, done, settings,
                           lambda message: click.echo(message, err=True), batch_progress, text_input, batch_size,
                           data_parallel)
@@ -495,10 +500,12 @@ def discard() -> Iterator[tuple[set[str], object]]:
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--no-webui", is_flag=True, help="Serve the API only, not the chat page at /.")
 @kv_size_options
+@speculation_options
 @sampling_options
 @parallel_options
 def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
-                  template_name, template_file, no_webui, max_kv_size, keep, **sampling):
+                  template_name, template_file, no_webui, max_kv_size, keep, draft_model, lookup, draft_tokens,
+                  **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -520,10 +527,14 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 
     check_no_template(False, None, False, template_name, template_file)
     check_kv_size(max_kv_size, keep)
+    refuse_under_launch(draft_model=draft_model, lookup=lookup)
+    if max_kv_size and (draft_model or lookup is not None):
+        raise MlxLlamaError("serve's speculative decoding does not run with --max-kv-size yet")
     params = sampling_params(sampling)
     if world().is_root:
         check_listen(host, port, api_key)
     runtime = load_model(model_path)
+    draft = load_draft(draft_model, lookup)
     if not world().is_root:  # rank 0 serves; this rank runs its part of the model as rank 0's engine says
         from .server.engine import make_decoder
         from .server.replicas import follow
@@ -533,7 +544,8 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     if prompt_cache_mb and runtime.model.shard and runtime.model.shard.mode == "pipeline":
         click.echo("[prompt cache off: a pipeline's ranks hold caches of different sizes]", err=True)
     settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
-                              sampling["max_tokens"], api_key or None)
+                              sampling["max_tokens"], api_key or None,
+                              runtime.drafting(draft, draft_tokens) if draft is not None else None)
     serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
           max_queue, prompt_cache_mb << 20,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"

@@ -15,12 +15,11 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-import mlx.core as mx
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -34,8 +33,9 @@ from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
 from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_template, messages_for
 from ..sampling import SamplingParams
-from .engine import Engine, Overloaded, Ticket, TooLarge
+from ..speculative import Drafting
 from ..tool_calls import ToolCallStream, ToolUse, tool_use
+from .engine import Engine, Overloaded, Ticket, TooLarge
 from .protocol import ApiError, Settings, read_anthropic, read_messages, read_prompt, read_settings
 
 
@@ -45,6 +45,7 @@ class ServerSettings:
     params: SamplingParams  # the sampling defaults, as generate's options give them
     max_tokens: int
     api_key: str | None = None
+    drafting: Drafting | None = None  # speculative decoding of every request, unless a request says otherwise
 
 
 # The chat page (`/`): static files shipped in the package, talking only to the routes below.
@@ -236,6 +237,24 @@ class Api:
         except MlxLlamaError as e:
             raise ApiError(str(e), "chat_template") from None
 
+    def _drafting(self, settings: Settings) -> Drafting | None:
+        """How the request is drafted for: the server's drafter (--draft-model or --lookup), or
+        prompt lookup where it asks for it ("lookup"), with its own "draft_tokens"; none where it
+        says "speculative": false or the server drafts for none and it asks for nothing."""
+        default = self.settings.drafting
+        if not settings.speculative or (default is None and settings.lookup is None):
+            if settings.draft_tokens is not None:
+                raise ApiError("'draft_tokens' needs 'lookup', or a server started with --draft-model or --lookup",
+                               "draft_tokens")
+            return None
+        if self.engine.decoder.max_kv_size:
+            raise ApiError("speculative decoding does not run on a server with --max-kv-size yet",
+                           "lookup" if settings.lookup is not None else "speculative")
+        k = settings.draft_tokens or (default.k if default is not None else Drafting.k)
+        if settings.lookup is not None:
+            return Drafting(k, lookup=settings.lookup)
+        return replace(default, k=k)
+
     async def _respond(self, prompt: Prompt, settings: Settings, chat: bool | None,
                        tools: ToolUse | None = None) -> Response:
         """The answer to a prompt: OpenAI's chat (chat True) or text completion (False), or Anthropic's message (None)."""
@@ -253,7 +272,7 @@ class Api:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,
                           prompt_logprobs=settings.echo and settings.logprobs is not None,
-                          constraint=settings.constraint)
+                          constraint=settings.constraint, drafting=self._drafting(settings))
         completion = OpenAICompletion(self, prompt, settings, chat, tools) if chat is not None else AnthropicMessage(
             self, prompt, settings)
         try:
@@ -439,8 +458,12 @@ class OpenAICompletion(Completion):
 
     def _usage(self, result: GenerationResult) -> dict:
         prompt, completion = self.usage(result)
+        # Speculative decoding's drafts, in the fields of OpenAI's Predicted Outputs (a prediction is a draft).
+        speculation = {"completion_tokens_details": {"accepted_prediction_tokens": result.accepted,
+                                                     "rejected_prediction_tokens": result.drafted - result.accepted}
+                       } if self.row is not None and self.row.drafter is not None else {}
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.row.cached_tokens if self.row else 0}}
+                "prompt_tokens_details": {"cached_tokens": self.row.cached_tokens if self.row else 0}, **speculation}
 
 
 class AnthropicMessage(Completion):

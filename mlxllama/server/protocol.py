@@ -51,6 +51,10 @@ class Settings:
     constraint: Constraint | None = None  # response_format's JSON object or JSON Schema
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"  # "none", "auto", "required" or the name of the tool to call
+    # Speculative decoding (extensions): off for this request, prompt lookup's n-gram length, drafts a check.
+    speculative: bool = True
+    lookup: int | None = None
+    draft_tokens: int | None = None
 
 
 def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int, known: set[str]) -> Settings:
@@ -60,7 +64,7 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
             raise ApiError(f"'{name}' is not supported by this server yet", name)
         if name not in known | IGNORED | set(SAMPLING_FIELDS) | {"logprobs", "top_logprobs", "echo"} | {
                 "max_tokens", "max_completion_tokens", "stop", "stream", "n", "chat_template", "logit_bias",
-                "chat_template_kwargs", "return_prompt", "response_format"}:
+                "chat_template_kwargs", "return_prompt", "response_format"} | set(SPECULATION_FIELDS):
             raise ApiError(f"unknown field '{name}'", name)
     if body.get("n", 1) != 1:
         raise ApiError("only n = 1 is supported", "n")
@@ -104,7 +108,26 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
     tools, tool_choice = read_tool_fields(body) if "tools" in known else ((), "auto")
     return Settings(max_tokens, params, tuple(stop), stream, bool(options.get("include_usage")), template, kwargs,
                     return_prompt, *read_logprobs(body, chat="messages" in known),
-                    constraint=read_response_format(body.get("response_format")), tools=tools, tool_choice=tool_choice)
+                    constraint=read_response_format(body.get("response_format")), tools=tools, tool_choice=tool_choice,
+                    **read_speculation(body))
+
+
+SPECULATION_FIELDS = ("speculative", "lookup", "draft_tokens")
+
+
+def read_speculation(body: dict) -> dict:
+    """The speculative decoding extensions: "speculative": false (none for this request), "lookup":
+    n (prompt lookup over n-grams, whatever the server drafts with), "draft_tokens": k."""
+    speculative = body.get("speculative", True)
+    if not isinstance(speculative, bool):
+        raise ApiError("'speculative' must be true or false", "speculative")
+    for name, least in (("lookup", 1), ("draft_tokens", 1)):
+        value = body.get(name)
+        if value is not None and (not _integer(value) or not least <= value <= 64):
+            raise ApiError(f"'{name}' must be an integer from {least} to 64", name)
+    if not speculative and (body.get("lookup") is not None or body.get("draft_tokens") is not None):
+        raise ApiError("'speculative': false excludes 'lookup' and 'draft_tokens'", "speculative")
+    return {"speculative": speculative, "lookup": body.get("lookup"), "draft_tokens": body.get("draft_tokens")}
 
 
 def read_response_format(value: Any) -> Constraint | None:

@@ -317,3 +317,71 @@ def test_a_rejected_draft_leaves_the_constraint_where_it_was():
     accepted, following = verify(Chooser(SamplingParams()), logits, [b, a], [None, None], [], Counter(), guide)
     assert accepted == [b] and following == b  # "a" after "ab" is ruled out; the model's "b" replaces it
     assert guide.allowed(logits.shape[-1])[b].item() and not guide.allowed(logits.shape[-1])[a].item()
+
+
+def test_a_batch_with_speculation_gives_each_row_its_plain_greedy_ids():
+    """batch_generate with lookup and with a draft model (rows each with their own drafter, drafts
+    checked for every row in one padded pass, each row's cache cut to what it kept): each row's ids
+    are its plain ids, with drafts kept and rejected."""
+    from mlxllama.batching import batch_generate
+
+    rt = load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf")
+    prompts = ["Once upon a time", "The cat sat on", "Hello world", "A B C D E F", "1 2 3"]
+    plain = batch_generate(rt, prompts, 90, batch_size=3)
+    for draft in (2, rt):
+        results = batch_generate(rt, prompts, 90, batch_size=3, draft=draft, draft_tokens=5)
+        for want, got in zip(plain, results):
+            assert_same_greedy(rt, want.prompt_ids, got.token_ids, want.token_ids)
+        assert sum(r.accepted for r in results) > 100
+        assert draft is rt or sum(r.drafted for r in results) > sum(r.accepted for r in results)
+
+
+def test_a_batch_mixes_drafted_rows_with_plain_and_constrained_ones():
+    """Rows that draft, rows that don't, a constrained row that drafts, and log-probabilities of
+    drafted tokens, which are the model's log-softmax at their positions as a plain row's are."""
+    from mlxllama.batching import BatchDecoder, Request, generate_batch
+    from mlxllama.constraints import Constraint
+
+    rt = load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    lookup, itself = rt.drafting(2, 4), rt.drafting(rt, 3)
+    constraint = Constraint.json_schema(CITY_SCHEMA)
+    requests = [Request(chat_ids(rt, QUESTIONS[0]), 40, drafting=itself, logprobs=2),
+                Request(chat_ids(rt, QUESTIONS[1]), 40),
+                Request(chat_ids(rt, QUESTIONS[2]), 40, drafting=lookup),
+                Request(chat_ids(rt, QUESTIONS[0]), 60, constraint=constraint, drafting=itself),
+                Request(chat_ids(rt, QUESTIONS[0]), 40, logprobs=2)]
+    results = {}
+    for finished in generate_batch(rt.model, rt.tokenizer, requests, batch_size=5):
+        results.update(finished)
+    for i, request in enumerate(requests):
+        want = rt.generate(request.ids, request.max_tokens, constraint=request.constraint)
+        assert_same_greedy(rt, request.ids, results[i].token_ids, want.token_ids)
+    assert results[0].accepted > 0 and results[3].accepted > 0 and results[1].drafted == results[4].drafted == 0
+    assert set(json.loads(results[3].text)) == {"city", "country"}
+    # The log-probabilities of a drafted row and of a plain one with the same prompt: the same values.
+    decoder = BatchDecoder(rt.model, rt.tokenizer, 2)
+    rows = [decoder.admit(i, requests[i]) for i in (0, 4)]
+    while decoder.joining:
+        decoder.prefill_chunk()
+    while decoder.rows:
+        decoder.step()
+    drafted, plain = (row.logprobs for row in rows)
+    assert [t.token for t in drafted] == [t.token for t in plain]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(drafted, plain)) < 1e-4
+    assert [[i for i, _ in a.top] for a in drafted] == [[i for i, _ in b.top] for b in plain]
+
+
+def test_batch_on_the_command_line_drafts_and_reports_it(tmp_path):
+    model = str(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "no_template": True}) + "\n"
+                               for p in ["Once upon a time", "The cat sat on"]))
+    runs = [CliRunner().invoke(main, ["batch", "-m", model, str(prompts), "-n", "60", "--summary", "json", *extra])
+            for extra in ([], ["--lookup", "2", "--draft-tokens", "5"])]
+    plain, drafted = ([json.loads(line) for line in run.stdout.splitlines()] for run in runs)
+    assert [r["token_ids"] for r in drafted] == [r["token_ids"] for r in plain]
+    assert all(r["drafted"] > r["accepted"] > 0 for r in drafted) and "drafted" not in plain[0]
+    summary = json.loads(runs[1].stderr.splitlines()[-1])
+    assert summary["drafted_tokens"] == sum(r["drafted"] for r in drafted) and summary["accepted_tokens"] > 0
+    ring = CliRunner().invoke(main, ["batch", "-m", model, str(prompts), "--lookup", "2", "--max-kv-size", "64"])
+    assert ring.exit_code == 2 and "does not run with --max-kv-size" in ring.stderr
