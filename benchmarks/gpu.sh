@@ -23,7 +23,9 @@
 #   bash benchmarks/gpu.sh structured             # there: tg128 with and without a JSON Schema (bench --json-schema),
 #                                                 # with the kernels and on the plain step
 #   bash benchmarks/gpu.sh speculative [MODEL]    # there: tg128 with and without prompt lookup (bench --lookup), on
-#                                                 # MODEL (default the TinyLlama-shape file; "gemma" for Gemma 3 270M)
+#                                                 # MODEL (default the TinyLlama-shape file; "gemma" for Gemma 3 270M),
+#                                                 # then one copy request at a time through mlxllama serve and llama-server,
+#                                                 # each without and with prompt lookup (benchmarks/speculative_serve.py)
 #   bash benchmarks/gpu.sh models                 # there: MoE prefill by expert order (benchmarks/moe_prefill.py), then
 #                                                 # pp512/tg128 at depth 0 and 4096 of the Qwen3-0.6B-shape file and of Gemma 3
 #                                                 # 270M (when stashed), each beside llama-bench
@@ -219,7 +221,7 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     done
 }
 
-speculative() {  # prompt lookup: tg with and without it, kernels and plain step
+speculative() {  # prompt lookup: tg with and without it (kernels and plain step), then served beside llama-server's
     mkdir -p "$out"
     local text="The committee met on Tuesday to review the budget for the new library. " file=$model tag=""
     if [ "${1:-}" = gemma ]; then file=$gemma tag=-gemma; fi
@@ -229,6 +231,32 @@ speculative() {  # prompt lookup: tg with and without it, kernels and plain step
             --lookup 3 --draft-tokens 5 --draft-prompt "$text$text$text$text" --json > "$out/speculative$tag-$kernels.json"
         python3 -c "import json; r = json.load(open('$out/speculative$tag-$kernels.json'))
 print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev'], 1)) for t in r['tests']], r['speculation'][:1])"
+    done
+    # One request at a time through each server, the same raw copy prompt, greedy, 128 tokens:
+    # mlxllama serve without and with per-request lookup (its kernels decode the plain rows), then
+    # llama-server without and with its prompt lookup (--spec-type ngram-simple, 3-grams, 5 drafts).
+    printf '%s' "$text$text$text$text" > "$work/copy.txt"
+    local port=8093 spec="benchmarks/speculative_serve.py --url http://127.0.0.1:8093 --prompt-file $work/copy.txt -r 5"
+    log "mlxllama serve $(basename "$file")"
+    python3 -m mlxllama serve -m "$file" --port $port --no-webui > "$work/serve.log" 2>&1 &
+    local pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; kill -0 $pid || { cat "$work/serve.log"; return; }; done
+    timeout 120 python3 $spec --label "mlxllama serve" --json "$out/serve-plain$tag.json"
+    timeout 120 python3 $spec --label "mlxllama serve, lookup 3, K 5" --extra '{"lookup": 3, "draft_tokens": 5}' \
+        --json "$out/serve-lookup$tag.json"
+    kill $pid; wait $pid 2> /dev/null
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    [ -f "$work/llama-build.done" ] || return
+    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    local name flags
+    for name in plain ngram; do
+        flags=$([ $name = ngram ] && echo "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 5")
+        log "llama-server $name"
+        "$work/llama-build/bin/llama-server" -m "$file" --port $port -ngl 99 -fa on -np 1 $flags > "$work/llama-server.log" 2>&1 &
+        pid=$!
+        until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; kill -0 $pid || { tail "$work/llama-server.log"; return; }; done
+        timeout 120 python3 $spec --label "llama-server $name" --json "$out/llama-server-$name$tag.json"
+        kill $pid; wait $pid 2> /dev/null
     done
 }
 

@@ -78,11 +78,13 @@ def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> list[To
 class Row:
     """A sequence being generated: its sampler, ids so far, text and timings."""
 
-    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None, group=None):
+    def __init__(self, index, request: Request, tokenizer: Tokenizer, context_length: int | None, group=None,
+                 max_kv_size: int = 0, keep: int = 0):
         self.index, self.request = index, request
         self.sampler = make_sampler(request.params, group)  # group: a split model's ranks (make_sampler)
-        # With speculation every token is chosen by the Chooser (one random stream), drafted or not.
-        self.drafter = request.drafting.drafter() if request.drafting is not None else None
+        # With speculation every token is chosen by the Chooser (one random stream), drafted or not;
+        # a draft model's cache is bounded as the row's own is.
+        self.drafter = request.drafting.drafter(max_kv_size, keep) if request.drafting is not None else None
         self.chooser = Chooser(request.params) if request.drafting is not None else None
         self.drafted = self.accepted = 0
         self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
@@ -200,7 +202,7 @@ class BatchDecoder:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
                  prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0, group: bool = False,
-                 stepped_rests: bool = False):
+                 stepped_rests: bool = False, draft_room: int = 0):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         check_kv_size(max_kv_size, keep)
@@ -214,7 +216,10 @@ class BatchDecoder:
         # and may run past the context: no context to stop at (None).
         self.max_kv_size, self.keep = max_kv_size, keep
         self.context = None if max_kv_size else model.config.context_length
-        self.cache = model.make_batch_cache(max_kv_size, keep)
+        # A ring holds `draft_room` slots past each row's window for speculative decoding's drafts:
+        # no row may draft more at a time (a growing cache has room for any number).
+        self.draft_room = draft_room
+        self.cache = model.make_batch_cache(max_kv_size, keep, draft_room)
         self.rows: list[Row] = []
         self.joining: deque[Joining] = deque()
 
@@ -225,9 +230,9 @@ class BatchDecoder:
     def admit(self, index, request: Request) -> Row:
         """Queue a request to join; a row with nothing to generate is finished at once (row.finished)."""
         check_fits(len(request.ids), self.context)
-        if request.drafting is not None and self.max_kv_size:
-            raise MlxLlamaError("speculative decoding in a batch does not run with --max-kv-size yet")
-        row = Row(index, request, self.tokenizer, self.context, self.model.sampling_group)
+        if request.drafting is not None and self.max_kv_size and request.drafting.k > self.draft_room:
+            raise MlxLlamaError(f"with --max-kv-size, a row drafts at most {self.draft_room} tokens at a time here")
+        row = Row(index, request, self.tokenizer, self.context, self.model.sampling_group, self.max_kv_size, self.keep)
         if request.prompt_logprobs:
             logits = self.model(mx.array([list(request.ids)]))[0]  # one fresh pass, as Runtime.logits
             row.prompt_logprobs = token_logprobs(logits[:-1], request.ids[1:], request.logprobs or 0)
@@ -413,7 +418,9 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[
     After each step, yields the requests that finished in it as (index in requests, result),
     often none, so a caller can write results as they come and stop cleanly between steps.
     """
-    decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache, max_kv_size=max_kv_size, keep=keep)
+    draft_room = max((r.drafting.k for r in requests if r.drafting is not None), default=0)
+    decoder = BatchDecoder(model, tokenizer, batch_size, prompt_cache=prompt_cache, max_kv_size=max_kv_size, keep=keep,
+                           draft_room=draft_room)
     for request in requests:
         check_fits(len(request.ids), decoder.context)
     waiting = deque(enumerate(requests))

@@ -589,40 +589,51 @@ class BatchKVCache:
 class RingKVCache(BatchKVCache):
     """Rows of a batch in bounded memory, as RotatingKVCache keeps one sequence: each row's first
     `keep` positions and its last `max_size - keep` (the window), so the server's rows may run past
-    the context. Position p < keep is in slot p, a later one in keep + (p - keep) mod window: a
-    ring, written in place, whose buffers never grow or move. A decode step feeds one token a row,
-    which overwrites the one position its query no longer sees.
+    the context. Position p < keep is in slot p, a later one in keep + (p - keep) mod ring: a ring,
+    written in place, whose buffers never grow or move. The ring is the window and `spare` slots
+    more: a call may feed up to spare + 1 tokens a row (speculative decoding's check of `spare`
+    drafts), none of which overwrites a position an earlier query of the call still sees, and
+    trimming the rejected ones (cut_rows) leaves every kept position in place.
     """
 
-    def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None):
+    def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None, spare: int = 0):
         super().__init__(quantization)
         self.max_size, self.keep, self.window = max_size, keep, max_size - keep
+        self.ring = self.window + spare
+        self.slot_count = keep + self.ring
 
     def _slot(self, positions):
-        return np.where(positions < self.keep, positions, self.keep + (positions - self.keep) % self.window)
+        return np.where(positions < self.keep, positions, self.keep + (positions - self.keep) % self.ring)
+
+    def _check_length(self, length: int) -> None:
+        if length > self.ring - self.window + 1:
+            raise ValueError(f"a ring cache with {self.ring - self.window} spare slots takes at most"
+                             f" {self.ring - self.window + 1} tokens a row at a time")
 
     def mask(self, length: int, window: int = 0) -> mx.array:
-        """[batch, 1, length, max_size]: the kept first positions and the window's (a sliding layer's
-        own `window` instead, if any), among the positions the slots hold once the new ones are in."""
-        if length != 1:
-            raise ValueError("a ring cache takes one token a row at a time")
-        query = self.offset[:, None]  # [rows, 1]
-        slot = mx.arange(self.max_size)[None, :]
-        # The latest position each slot holds: slot s >= keep holds s, s + window, s + 2 window...
-        key = mx.where(slot < self.keep, slot, slot + self.window * ((query - slot) // self.window))
+        """[batch, 1, length, slots]: for each new token, the kept first positions and the window's
+        (a sliding layer's own `window` instead, if any) up to itself, among the positions the slots
+        hold once the new ones are in."""
+        self._check_length(length)
+        query = (self.offset[:, None] + mx.arange(length)[None, :])[:, :, None]  # [rows, length, 1]
+        last = (self.offset + length - 1)[:, None, None]
+        slot = mx.arange(self.slot_count)[None, None, :]
+        # The latest position each slot holds: slot s >= keep holds s, s + ring, s + 2 ring...; a
+        # rejected draft's slot reads as the position a ring before it, which no query sees.
+        key = mx.where(slot < self.keep, slot, slot + self.ring * ((last - slot) // self.ring))
         seen = (key <= query) & ((slot < self.keep) | (key >= self.keep))  # a ring slot not written yet: none
         seen &= (key > query - window) if window else ((key < self.keep) | (key > query - self.window))
-        return seen[:, None, None, :]
+        return seen[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         batch, _, new, _ = keys.shape
-        if new != 1:
-            raise ValueError("a ring cache takes one token a row at a time")
-        keys, values = self._stored(keys, values, max(self.lengths) + 1)
-        slots = mx.array(self._slot(np.array(self.lengths))).reshape(batch, 1, 1, 1)
+        self._check_length(new)
+        keys, values = self._stored(keys, values, max(self.lengths) + new)
+        positions = np.array(self.lengths)[:, None] + np.arange(new)[None, :]
+        slots = mx.array(self._slot(positions)).reshape(batch, 1, new, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
         self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
-        self.lengths, self._offset = [n + 1 for n in self.lengths], None
+        self.lengths, self._offset = [n + new for n in self.lengths], None
         return self.keys, self.values
 
     def add(self, cache: KVCache) -> None:
@@ -634,7 +645,7 @@ class RingKVCache(BatchKVCache):
         source, target = mx.array(slots[wanted]), mx.array(self._slot(positions[wanted]))[None, None, :, None]
 
         def ring(a: mx.array) -> mx.array:
-            empty = mx.zeros(a.shape[:2] + (self.max_size,) + a.shape[3:], a.dtype)
+            empty = mx.zeros(a.shape[:2] + (self.slot_count,) + a.shape[3:], a.dtype)
             return mx.put_along_axis(empty, target, mx.take(a, source, axis=2), axis=2)
 
         keys, values = kv_map(ring, cache.keys), kv_map(ring, cache.values)
@@ -650,13 +661,15 @@ class RingKVCache(BatchKVCache):
         """The ring is always the size it will be."""
 
     def in_order(self, length: int) -> bool:
-        return length <= self.max_size
+        return length <= self.slot_count
 
 
 def make_batch_cache(windows: list[int], quantization: KVQuantization | None = None, max_size: int = 0,
-                     keep: int = 0) -> list[BatchKVCache]:
+                     keep: int = 0, spare: int = 0) -> list[BatchKVCache]:
     """One batch cache a layer: growing with the longest row, or with a `max_size` a ring (a
-    sliding-window layer's: a ring of its own window, as SlidingKVCache keeps for one sequence)."""
+    sliding-window layer's: a ring of its own window, as SlidingKVCache keeps for one sequence),
+    with `spare` slots for speculative decoding's drafts."""
     if max_size:
-        return [RingKVCache(w, 0, quantization) if w else RingKVCache(max_size, keep, quantization) for w in windows]
+        return [RingKVCache(w, 0, quantization, spare) if w else RingKVCache(max_size, keep, quantization, spare)
+                for w in windows]
     return [BatchKVCache(quantization) for _ in windows]

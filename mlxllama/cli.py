@@ -432,8 +432,6 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     check_kv_size(max_kv_size, keep)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
-    if max_kv_size and (draft_model or lookup is not None):
-        raise MlxLlamaError("batch's speculative decoding does not run with --max-kv-size yet")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -518,7 +516,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     """
     from .cache import check_kv_size
     from .prompt import choose_template
-    from .server import check_listen, serve
+    from .server import DRAFT_ROOM, check_listen, serve
 
     try:
         from .server.app import ServerSettings
@@ -528,8 +526,6 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     check_no_template(False, None, False, template_name, template_file)
     check_kv_size(max_kv_size, keep)
     refuse_under_launch(draft_model=draft_model, lookup=lookup)
-    if max_kv_size and (draft_model or lookup is not None):
-        raise MlxLlamaError("serve's speculative decoding does not run with --max-kv-size yet")
     params = sampling_params(sampling)
     if world().is_root:
         check_listen(host, port, api_key)
@@ -551,7 +547,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
                                           f" (template {settings.template.label}){'' if no_webui else ', chat page at /'};"
                                           " Ctrl-C stops", err=True),
-          max_kv_size=max_kv_size, keep=keep, webui=not no_webui)
+          max_kv_size=max_kv_size, keep=keep, webui=not no_webui, draft_room=max(draft_tokens, DRAFT_ROOM))
 
 
 @main.command("bench")

@@ -263,10 +263,11 @@ class Transformer(nn.Module):
         positions and the rest of max_kv_size last ones (cache.make_cache)."""
         return make_cache([block.window for block in self.blk], bounded, max_kv_size, keep, self.kv_quantization)
 
-    def make_batch_cache(self, max_kv_size: int = 0, keep: int = 0) -> list[BatchKVCache]:
+    def make_batch_cache(self, max_kv_size: int = 0, keep: int = 0, spare: int = 0) -> list[BatchKVCache]:
         """A fresh cache for rows of different lengths (batching.py), one entry a layer; with a
-        `max_kv_size`, rings keeping each row's first `keep` and last positions (cache.RingKVCache)."""
-        return make_batch_cache([block.window for block in self.blk], self.kv_quantization, max_kv_size, keep)
+        `max_kv_size`, rings keeping each row's first `keep` and last positions (cache.RingKVCache),
+        and `spare` slots more for speculative decoding's drafts."""
+        return make_batch_cache([block.window for block in self.blk], self.kv_quantization, max_kv_size, keep, spare)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
         """tokens [batch, length] -> logits [batch, length, vocab] (float32).

@@ -11,6 +11,10 @@ import sys
 
 from ..errors import MlxLlamaError
 
+# With --max-kv-size, the slots past each row's window kept for speculative decoding's drafts: a
+# request may draft this many tokens at a time (or the server's --draft-tokens, if more).
+DRAFT_ROOM = 16
+
 
 def is_loopback(host: str) -> bool:
     """Whether every address `host` names is on this machine alone (127.0.0.0/8, ::1)."""
@@ -31,7 +35,8 @@ def check_listen(host: str, port: int, api_key: str | None) -> None:
 
 def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 16,
           prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
-          on_ready=lambda url: None, max_kv_size: int = 0, keep: int = 4, webui: bool = True) -> None:
+          on_ready=lambda url: None, max_kv_size: int = 0, keep: int = 4, webui: bool = True,
+          draft_room: int = 0) -> None:
     """Serve until Ctrl-C or SIGTERM (check_listen first); in-flight requests are finished or
     cancelled, then the engine stops."""
     import uvicorn
@@ -39,7 +44,8 @@ def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batc
     from .app import create_app
     from .engine import Engine
 
-    engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes, max_kv_size, keep)
+    engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes, max_kv_size, keep,
+                    draft_room)
     config = uvicorn.Config(create_app(runtime, engine, settings, webui), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)
     server = _server_class()(config)

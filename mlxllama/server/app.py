@@ -247,10 +247,13 @@ class Api:
                 raise ApiError("'draft_tokens' needs 'lookup', or a server started with --draft-model or --lookup",
                                "draft_tokens")
             return None
-        if self.engine.decoder.max_kv_size:
-            raise ApiError("speculative decoding does not run on a server with --max-kv-size yet",
+        if self.runtime.model.shard is not None:
+            raise ApiError("speculative decoding does not run under mlx.launch yet",
                            "lookup" if settings.lookup is not None else "speculative")
         k = settings.draft_tokens or (default.k if default is not None else Drafting.k)
+        room = self.engine.decoder.draft_room
+        if self.engine.decoder.max_kv_size and k > room:
+            raise ApiError(f"'draft_tokens' must be at most {room} on a server with --max-kv-size", "draft_tokens")
         if settings.lookup is not None:
             return Drafting(k, lookup=settings.lookup)
         return replace(default, k=k)

@@ -62,8 +62,8 @@ class Engine:
 
     def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
                  kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
-                 max_kv_size: int = 0, keep: int = 4):
-        decoder = make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_bytes, max_kv_size, keep)
+                 max_kv_size: int = 0, keep: int = 4, draft_room: int = 0):
+        decoder = make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_bytes, max_kv_size, keep, draft_room)
         self.prompt_cache = decoder.prompt_cache
         # A model split over mlx.launch's ranks: each decoder call goes to the other ranks first.
         self.decoder = LeadingDecoder(decoder) if runtime.model.shard else decoder
@@ -90,9 +90,9 @@ class Engine:
 
     def kv_bytes(self, rows: int, slots: int) -> int:
         """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows; a
-        ring's rows hold the decoder's max_kv_size positions, however many they need)."""
+        ring's rows hold the decoder's max_kv_size positions and its draft room, however many they need)."""
         if self.decoder.max_kv_size:
-            return rows * self.decoder.max_kv_size * self.slot_bytes
+            return rows * (self.decoder.max_kv_size + self.decoder.draft_room) * self.slot_bytes
         return rows * -(-min(slots, self.context_length) // GROWTH_STEP) * GROWTH_STEP * self.slot_bytes
 
     def need(self, request: Request) -> int:
@@ -190,7 +190,7 @@ class Engine:
 
 
 def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK, prompt_cache_bytes: int = 0,
-                 max_kv_size: int = 0, keep: int = 4) -> BatchDecoder:
+                 max_kv_size: int = 0, keep: int = 4, draft_room: int = 0) -> BatchDecoder:
     """The engine's decoder (and a following rank's: replicas.follow). A pipeline's ranks hold
     caches of different sizes, so their prompt caches would drop different entries and their
     decoders part ways: a pipeline keeps none."""
@@ -205,7 +205,7 @@ def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUN
     if gpu:
         warm_up(BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, None, max_kv_size, keep))
     return BatchDecoder(runtime.model, runtime.tokenizer, max_batch, prefill_chunk, prompt_cache, max_kv_size, keep,
-                        group=not gpu, stepped_rests=gpu)
+                        group=not gpu, stepped_rests=gpu, draft_room=draft_room)
 
 
 def warm_up(decoder: BatchDecoder) -> None:

@@ -109,10 +109,21 @@ def test_bad_speculation_fields_are_400_naming_the_field(looping_server, fields,
     assert error["param"] == param and fragment in error["message"], error
 
 
-def test_a_ring_server_refuses_speculation_with_one_line():
-    server = Server("-m", str(LOOPING), "--max-kv-size", "64")
+def test_a_ring_server_drafts_past_the_context_within_its_spare_slots():
+    """--max-kv-size: the rows' rings keep DRAFT_ROOM slots for drafts, so a lookup request runs past
+    the context and gets the ring's plain text; more drafts at a time than that is a 400."""
+    from mlxllama.server import DRAFT_ROOM
+
+    server = Server("-m", str(LOOPING), "-c", "256", "--max-kv-size", "64")
     try:
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "lookup": 2})
-        assert response.status_code == 400 and "--max-kv-size" in response.json()["error"]["message"]
+        plain, drafted = (complete(server, prompt="Once upon a time", max_tokens=300, **extra)
+                          for extra in ({}, {"lookup": 2, "draft_tokens": 6}))
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert drafted["usage"]["completion_tokens"] == 300
+        assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 100
+        response = httpx.post(f"{server.url}/v1/completions",
+                              json={"prompt": "Hi", "lookup": 2, "draft_tokens": DRAFT_ROOM + 1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "draft_tokens"
+        assert f"at most {DRAFT_ROOM} on a server with --max-kv-size" in response.json()["error"]["message"]
     finally:
         server.stop()

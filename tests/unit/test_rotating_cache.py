@@ -151,6 +151,47 @@ def test_rows_of_a_ring_batch_decode_as_the_masked_full_pass(name):
             assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
 
 
+@pytest.mark.parametrize("name", ["chat-tiny-Q4_K_M.gguf", "gemma3-tiny-Q8_0.gguf"])
+def test_a_ring_with_spare_slots_takes_drafts_and_forgets_the_rejected_ones(name):
+    """Speculative decoding's use of a ring: each call feeds every row its next token and up to 3
+    drafts (random ids, so most are wrong), then each row keeps a different number of them
+    (cut_rows). Past the wrap, the logits at every kept position equal the masked full pass over
+    the kept sequence: no draft's write hid a position a query still saw, and no rejected draft is
+    seen later."""
+    rt = runtime(name)
+    max_size, keep, spare, steps = 64, 4, 3, 60
+    text = rt.tokenize(TEXT)
+    prompts = [text[:30], text[5:95]]
+    batch = rt.model.make_batch_cache(max_size, keep, spare)
+    kept = [list(ids) for ids in prompts]
+    for ids in prompts:
+        single = rt.model.make_cache(max_kv_size=max_size, keep=keep)
+        rt.model(mx.array([ids]), single)
+        for layer, row in zip(batch, single):
+            layer.add(row)
+    got = [[] for _ in prompts]
+    for step in range(steps):
+        fed = [[text[(step * 7 + r * 13 + j) % len(text)] for j in range(spare + 1)] for r in range(len(prompts))]
+        logits = rt.model(mx.array(fed), batch)
+        taken = [(step + r) % (spare + 2) or 1 for r in range(len(prompts))]  # 1 to spare + 1 positions kept a row
+        for r, n in enumerate(taken):
+            kept[r] += fed[r][:n]
+            got[r].append(logits[r, :n])
+        for layer in batch:
+            layer.cut_rows([len(ids) for ids in kept])
+    assert all(layer.keys.shape[2] <= max_size + spare for layer in batch)
+    for ids, rows, prompt in zip(kept, got, prompts):
+        assert len(ids) > max_size + len(prompt)  # past the wrap
+        want = reference_logits(rt, ids, max_size, keep)[len(prompt) :]
+        difference = mx.abs(mx.concatenate(rows) - want)
+        if rt.model.compute_dtype == mx.float32:
+            assert float(difference.max()) < 1e-4
+        else:
+            assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+    with pytest.raises(ValueError, match="takes at most 4 tokens a row"):
+        rt.model(mx.array([[1] * 5, [1] * 5]), batch)
+
+
 def test_batch_generate_runs_rows_past_the_context():
     rt = runtime("chat-tiny-Q4_K_M.gguf")
     long_prompt = rt.tokenize(TEXT)[:600]  # past chat-tiny's context of 512
