@@ -25,7 +25,8 @@
 #   bash benchmarks/gpu.sh speculative [MODEL]    # there: tg128 with and without prompt lookup (bench --lookup), on
 #                                                 # MODEL (default the TinyLlama-shape file; "gemma" for Gemma 3 270M),
 #                                                 # then one copy request at a time through mlxllama serve and llama-server,
-#                                                 # each without and with prompt lookup (benchmarks/speculative_serve.py)
+#                                                 # each without and with prompt lookup (benchmarks/speculative_serve.py);
+#                                                 # "speculative gemma served": the servers only
 #   bash benchmarks/gpu.sh models                 # there: MoE prefill by expert order (benchmarks/moe_prefill.py), then
 #                                                 # pp512/tg128 at depth 0 and 4096 of the Qwen3-0.6B-shape file and of Gemma 3
 #                                                 # 270M (when stashed), each beside llama-bench
@@ -225,7 +226,7 @@ speculative() {  # prompt lookup: tg with and without it (kernels and plain step
     mkdir -p "$out"
     local text="The committee met on Tuesday to review the budget for the new library. " file=$model tag=""
     if [ "${1:-}" = gemma ]; then file=$gemma tag=-gemma; fi
-    for kernels in 1 0; do
+    for kernels in $([ "${2:-}" = served ] || echo 1 0); do
         log "mlxllama bench --lookup 3 on $(basename "$file"), MLXLLAMA_CUDA_KERNELS=$kernels"
         MLXLLAMA_CUDA_KERNELS=$kernels timeout 200 python3 -m mlxllama bench -m "$file" -p 0 -n 128 -r 5 \
             --lookup 3 --draft-tokens 5 --draft-prompt "$text$text$text$text" --json > "$out/speculative$tag-$kernels.json"
@@ -238,7 +239,8 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     printf '%s' "$text$text$text$text" > "$work/copy.txt"
     local port=8093 spec="benchmarks/speculative_serve.py --url http://127.0.0.1:8093 --prompt-file $work/copy.txt -r 5"
     log "mlxllama serve $(basename "$file")"
-    python3 -m mlxllama serve -m "$file" --port $port --no-webui > "$work/serve.log" 2>&1 &
+    # (a template only because serve needs one: /v1/completions feeds the raw prompt)
+    python3 -m mlxllama serve -m "$file" --port $port --no-webui --template chatml > "$work/serve.log" 2>&1 &
     local pid=$!
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; kill -0 $pid || { cat "$work/serve.log"; return; }; done
     timeout 120 python3 $spec --label "mlxllama serve" --json "$out/serve-plain$tag.json"
@@ -322,7 +324,7 @@ case ${1:-} in
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
     structured) structured ;;
-    speculative) speculative "${2:-}" ;;
+    speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
     kv) kv_depth ;;
     *) sed -n '2,23p' "$0"; exit 2 ;;
