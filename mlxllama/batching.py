@@ -198,6 +198,10 @@ class BatchDecoder:
 
     With `stepped_rests`, a short rest after a cached prefix goes through the decode step instead
     of a prefill pass (STEPPED_REST_MAX); the server does so on a GPU.
+
+    Rows whose request drafts (speculative decoding) each propose up to k tokens a step; the step
+    then feeds every row its last id and its drafts in one pass, and cuts each row's cache to what
+    its model kept, so rows keep drafting, rejecting and plain decoding side by side.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .cache import rotates
 from .constraints import Guide
@@ -123,26 +125,52 @@ def rejection_step(p: mx.array, q: mx.array | None, draft: int, chooser: Chooser
 
 class PromptLookup:
     """Drafts what followed the latest earlier occurrence of the text's last n-gram (n from
-    `ngram` down to 1): replies that copy from the prompt (edits, summaries, code) draft well."""
+    `ngram` down to 1): replies that copy from the prompt (edits, summaries, code) draft well.
 
-    def __init__(self, ngram: int):
+    With a `reference` (a predicted reply, as OpenAI's Predicted Outputs give one), the n-gram is
+    looked for there first, from where the last match in it left off, so a reply that follows the
+    prediction is drafted from it in order."""
+
+    def __init__(self, ngram: int, reference: Sequence[int] = ()):
         if ngram < 1:
             raise MlxLlamaError("--lookup takes the n-gram length to match, at least 1")
         self.ngram = ngram
+        self.reference = np.asarray(reference, dtype=np.int64)
+        self.cursor = 0  # where in the reference the last match ended
 
     def propose(self, context: Sequence[int], k: int, chooser: Chooser,
                 guide: Guide | None = None) -> tuple[list[int], list[None]]:
         """Up to k drafts (cut where a constraint's guide would rule one out); their distribution
         is all on them (None)."""
-        for size in range(min(self.ngram, len(context) - 1), 0, -1):
-            tail = list(context[-size:])
-            for start in range(len(context) - size - 1, -1, -1):
-                if list(context[start : start + size]) == tail:
-                    drafts = list(context[start + size : start + size + k])
-                    if guide is not None:
-                        drafts = drafts[: guide.allows_prefix(drafts)]
-                    return drafts, [None] * len(drafts)
-        return [], []
+        ids = np.asarray(context, dtype=np.int64)
+        drafts: list[int] = []
+        for size in range(min(self.ngram, len(ids) - 1), 0, -1):
+            drafts = self._from_reference(ids[-size:], k) or _after_latest(ids, size, k)
+            if drafts:
+                break
+        if guide is not None:
+            drafts = drafts[: guide.allows_prefix(drafts)]
+        return drafts, [None] * len(drafts)
+
+    def _from_reference(self, tail: np.ndarray, k: int) -> list[int]:
+        if len(self.reference) <= len(tail):
+            return []
+        hits = np.flatnonzero((sliding_window_view(self.reference[:-1], len(tail)) == tail).all(axis=1))
+        if not hits.size:
+            return []
+        later = hits[hits >= self.cursor]
+        start = int(later[0] if later.size else hits[0]) + len(tail)
+        self.cursor = start
+        return self.reference[start : start + k].tolist()
+
+
+def _after_latest(ids: np.ndarray, size: int, k: int) -> list[int]:
+    """The k ids after the latest earlier occurrence of the last `size` ids (none if it has none)."""
+    hits = np.flatnonzero((sliding_window_view(ids[:-1], size) == ids[-size:]).all(axis=1))
+    if not hits.size:
+        return []
+    start = int(hits[-1]) + size
+    return ids[start : start + k].tolist()
 
 
 class DraftModel:
@@ -195,12 +223,13 @@ class DraftModel:
 @dataclass(frozen=True)
 class Drafting:
     """How a sequence is drafted for, k tokens at a time: prompt lookup over n-grams of up to
-    `lookup` tokens, or a draft model (`model`, a Transformer whose vocabulary was checked: make it
+    `lookup` tokens (in a `reference` first, where one is given), or a draft model (`model`, a Transformer whose vocabulary was checked: make it
     with `with_model`). One Drafting serves many sequences: each gets a drafter of its own."""
 
     k: int = 4
     lookup: int | None = None
     model: object = None
+    reference: tuple[int, ...] = ()  # for lookup: a predicted reply to draft from first (PromptLookup)
 
     def __post_init__(self):
         if self.k < 1:
@@ -218,7 +247,9 @@ class Drafting:
 
     def drafter(self, max_kv_size: int = 0, keep: int = 0) -> PromptLookup | DraftModel:
         """A new sequence's drafter (a draft model's cache bounded as the sequence's own is)."""
-        return PromptLookup(self.lookup) if self.lookup is not None else DraftModel(self.model, max_kv_size, keep)
+        if self.lookup is not None:
+            return PromptLookup(self.lookup, self.reference)
+        return DraftModel(self.model, max_kv_size, keep)
 
 
 def check_same_vocabulary(draft, target, path: str) -> None:

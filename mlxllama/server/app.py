@@ -48,6 +48,9 @@ class ServerSettings:
     drafting: Drafting | None = None  # speculative decoding of every request, unless a request says otherwise
 
 
+# The n-gram length a request's `prediction` is looked up by, unless it or the server says otherwise.
+PREDICTION_NGRAM = 3
+
 # The chat page (`/`): static files shipped in the package, talking only to the routes below.
 WEBUI = Path(__file__).parent.parent / "webui"
 
@@ -239,10 +242,11 @@ class Api:
 
     def _drafting(self, settings: Settings) -> Drafting | None:
         """How the request is drafted for: the server's drafter (--draft-model or --lookup), or
-        prompt lookup where it asks for it ("lookup"), with its own "draft_tokens"; none where it
-        says "speculative": false or the server drafts for none and it asks for nothing."""
+        prompt lookup where it asks for it ("lookup"), over its "prediction" first where it gives
+        one, with its own "draft_tokens"; none where it says "speculative": false or the server
+        drafts for none and it asks for nothing."""
         default = self.settings.drafting
-        if not settings.speculative or (default is None and settings.lookup is None):
+        if not settings.speculative or (default is None and settings.lookup is None and settings.prediction is None):
             if settings.draft_tokens is not None:
                 raise ApiError("'draft_tokens' needs 'lookup', or a server started with --draft-model or --lookup",
                                "draft_tokens")
@@ -254,6 +258,10 @@ class Api:
         room = self.engine.decoder.draft_room
         if self.engine.decoder.max_kv_size and k > room:
             raise ApiError(f"'draft_tokens' must be at most {room} on a server with --max-kv-size", "draft_tokens")
+        if settings.prediction is not None:
+            reference = tuple(self.runtime.tokenizer.encode(settings.prediction, add_bos=False))
+            n = settings.lookup or (default.lookup if default is not None and default.lookup else PREDICTION_NGRAM)
+            return Drafting(k, lookup=n, reference=reference)
         if settings.lookup is not None:
             return Drafting(k, lookup=settings.lookup)
         return replace(default, k=k)

@@ -55,6 +55,7 @@ class Settings:
     speculative: bool = True
     lookup: int | None = None
     draft_tokens: int | None = None
+    prediction: str | None = None  # OpenAI's Predicted Outputs: text the reply is expected to follow
 
 
 def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int, known: set[str]) -> Settings:
@@ -112,12 +113,13 @@ def read_settings(body: dict, defaults: SamplingParams, default_max_tokens: int,
                     **read_speculation(body))
 
 
-SPECULATION_FIELDS = ("speculative", "lookup", "draft_tokens")
+SPECULATION_FIELDS = ("speculative", "lookup", "draft_tokens", "prediction")
 
 
 def read_speculation(body: dict) -> dict:
-    """The speculative decoding extensions: "speculative": false (none for this request), "lookup":
-    n (prompt lookup over n-grams, whatever the server drafts with), "draft_tokens": k."""
+    """The speculative decoding fields: the extensions "speculative": false (none for this
+    request), "lookup": n (prompt lookup over n-grams, whatever the server drafts with),
+    "draft_tokens": k; and OpenAI's "prediction" (lookup in the predicted text first)."""
     speculative = body.get("speculative", True)
     if not isinstance(speculative, bool):
         raise ApiError("'speculative' must be true or false", "speculative")
@@ -125,9 +127,20 @@ def read_speculation(body: dict) -> dict:
         value = body.get(name)
         if value is not None and (not _integer(value) or not least <= value <= 64):
             raise ApiError(f"'{name}' must be an integer from {least} to 64", name)
-    if not speculative and (body.get("lookup") is not None or body.get("draft_tokens") is not None):
-        raise ApiError("'speculative': false excludes 'lookup' and 'draft_tokens'", "speculative")
-    return {"speculative": speculative, "lookup": body.get("lookup"), "draft_tokens": body.get("draft_tokens")}
+    prediction = read_prediction(body.get("prediction"))
+    if not speculative and (body.get("lookup") is not None or body.get("draft_tokens") is not None or prediction):
+        raise ApiError("'speculative': false excludes 'lookup', 'draft_tokens' and 'prediction'", "speculative")
+    return {"speculative": speculative, "lookup": body.get("lookup"), "draft_tokens": body.get("draft_tokens"),
+            "prediction": prediction}
+
+
+def read_prediction(value: Any) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or text parts}, the text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or "content" not in value:
+        raise ApiError("'prediction' must be {\"type\": \"content\", \"content\": ...}", "prediction")
+    return read_content(value["content"], "prediction.content")
 
 
 def read_response_format(value: Any) -> Constraint | None:

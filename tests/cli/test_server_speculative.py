@@ -77,12 +77,32 @@ def test_a_server_with_a_draft_model_drafts_every_request_unless_told_not_to():
                                                          stream_options={"include_usage": True}))
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.text
             assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+        # The openai client's `prediction`: drafted from the predicted text instead of the draft model.
+        predicted = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                                   prediction={"type": "content",
+                                                               "content": "The capital of Japan is Tokyo."})
+        assert predicted.choices[0].message.content == "The capital of Japan is Tokyo."
+        assert predicted.usage.completion_tokens_details.accepted_prediction_tokens >= 4  # of its 8 tokens
         off = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}],
                                              extra_body={"speculative": False})
         assert off.choices[0].message.content == "The capital of Japan is Tokyo."
         assert off.usage.completion_tokens_details is None
     finally:
         server.stop()
+
+
+def test_a_prediction_is_drafted_from_and_never_changes_the_text(looping_server, looping):
+    """OpenAI's Predicted Outputs: the predicted text (tokenized alone, so only partly the reply's
+    own ids here, whose random text does not tokenize back the same) is drafted from; a right
+    prediction or a wrong one, the text is the plain text."""
+    plain = looping.generate("The cat sat on", 80).text
+    right = complete(looping_server, prompt="The cat sat on", max_tokens=80,
+                     prediction={"type": "content", "content": plain})
+    wrong = complete(looping_server, prompt="The cat sat on", max_tokens=80,
+                     prediction={"type": "content", "content": [{"type": "text", "text": "Unrelated words. " * 5}]})
+    assert right["choices"][0]["text"] == wrong["choices"][0]["text"] == plain
+    assert right["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert wrong["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] > 0
 
 
 def test_a_constrained_request_with_lookup_matches_its_schema(looping_server, looping):
@@ -100,6 +120,8 @@ def test_a_constrained_request_with_lookup_matches_its_schema(looping_server, lo
     ({"lookup": "2"}, "lookup", "'lookup' must be an integer from 1 to 64"),
     ({"speculative": "yes"}, "speculative", "'speculative' must be true or false"),
     ({"speculative": False, "lookup": 2}, "speculative", "excludes 'lookup'"),
+    ({"prediction": "text"}, "prediction", "'prediction' must be {\"type\": \"content\""),
+    ({"prediction": {"type": "content", "content": 3}}, "prediction.content", "must be a string or a list"),
     ({"draft_tokens": 3}, "draft_tokens", "'draft_tokens' needs 'lookup', or a server started with"),
 ])
 def test_bad_speculation_fields_are_400_naming_the_field(looping_server, fields, param, fragment):

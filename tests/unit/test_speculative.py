@@ -336,6 +336,22 @@ def test_a_batch_with_speculation_gives_each_row_its_plain_greedy_ids():
         assert draft is rt or sum(r.drafted for r in results) > sum(r.accepted for r in results)
 
 
+@pytest.mark.parametrize("model, kv_bits", [("gemma3-tiny-Q8_0.gguf", None), ("qwen2-tiny-Q8_0.gguf", 8)])
+def test_a_batch_speculates_over_sliding_layers_and_a_quantized_cache(model, kv_bits):
+    """Batched checks over Gemma 3's sliding-window layers (each row's mask keeps its window) and
+    over a quantized batch cache (the check's keys stored quantized as single steps store them):
+    each row's ids are its plain batched ids, with drafts kept."""
+    from mlxllama.batching import batch_generate
+
+    rt = mlxllama.load(REPO_FIXTURES / model, kv_quantization=KVQuantization(kv_bits) if kv_bits else None)
+    prompts = ["Once upon a time " * 12, "The cat sat on", "A B C D E F"]
+    plain = batch_generate(rt, prompts, 120, batch_size=3)
+    results = batch_generate(rt, prompts, 120, batch_size=3, draft=3, draft_tokens=5)
+    for want, got in zip(plain, results):
+        assert_same_greedy(rt, want.prompt_ids, got.token_ids, want.token_ids)
+    assert sum(r.accepted for r in results) > 60
+
+
 def test_a_batch_mixes_drafted_rows_with_plain_and_constrained_ones():
     """Rows that draft, rows that don't, a constrained row that drafts, and log-probabilities of
     drafted tokens, which are the model's log-softmax at their positions as a plain row's are."""
@@ -389,3 +405,31 @@ def test_batch_on_the_command_line_drafts_and_reports_it(tmp_path):
         for extra in ([], ["--lookup", "2", "--draft-tokens", "5"])]
     assert [r["token_ids"] for r in ring[1]] == [r["token_ids"] for r in ring[0]]
     assert all(len(r["token_ids"]) == 300 and r["accepted"] > 100 for r in ring[1])
+
+
+def test_prompt_lookup_drafts_from_a_reference_in_order():
+    """A reference (a predicted reply) is searched first, from where its last match ended; without
+    one, lookup drafts what followed the latest earlier occurrence in the text."""
+    chooser = Chooser(SamplingParams())
+    lookup = PromptLookup(2, reference=[5, 6, 7, 5, 6, 8, 9])
+    assert lookup.propose([1, 5, 6], 3, chooser)[0] == [7, 5, 6]
+    assert lookup.propose([1, 5, 6, 7, 5, 6], 3, chooser)[0] == [8, 9]
+    assert PromptLookup(2).propose([1, 5, 6, 7, 5, 6], 3, chooser)[0] == [7, 5, 6]
+    assert PromptLookup(3).propose([1, 2, 3, 4], 3, chooser) == ([], [])
+
+
+def test_a_row_drafting_from_its_own_reply_keeps_every_draft():
+    """A reference holding the very ids the reply will be (a perfect prediction) is drafted from in
+    order: the reply is the plain one and every draft is kept (80 tokens: the first from the
+    prompt's pass, then checks of 6 drafts and the model's own token after them)."""
+    from dataclasses import replace
+
+    from mlxllama.batching import Request, generate_batch
+
+    rt = load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf")
+    plain = rt.generate("The cat sat on", 80)
+    drafting = replace(rt.drafting(3, 6), reference=tuple(plain.token_ids))
+    (result,) = [r for finished in generate_batch(rt.model, rt.tokenizer, [
+        Request(rt.tokenize("The cat sat on"), 80, drafting=drafting)]) for _, r in finished]
+    assert_same_greedy(rt, plain.prompt_ids, result.token_ids, plain.token_ids)
+    assert result.accepted >= 60 and result.drafted - result.accepted <= 1, (result.drafted, result.accepted)

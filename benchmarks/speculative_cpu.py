@@ -1,0 +1,112 @@
+"""Prompt lookup on the CPU, mlxllama beside llama.cpp, in one process: greedy decode tokens/s with
+and without it on one raw prompt.
+
+    python benchmarks/speculative_cpu.py MODEL.gguf --prompt-file copy.txt [-n 128] [-r 3]
+        [--lookup 3] [--draft-tokens 5] [--threads 2] [--json OUT]
+
+mlxllama: `Runtime.stream` without and with `draft=LOOKUP`; llama.cpp: llama-cpp-python's
+`create_completion` without and with its `LlamaPromptLookupDecoding(max_ngram_size=LOOKUP,
+num_pred_tokens=K)` (llama-cpp-python's own prompt lookup over llama.cpp's model; llama.cpp's C++
+lookup lives in llama-server, which this machine does not build). Each is timed from its first
+streamed text to its last, so prefill is not in the rate; one untimed run first, then -r. The texts
+are kept, so the four can be checked to be the same. Needs llama-cpp-python (a test-time
+reference; extra buffer types are switched off, as scripts/llama_cpp_cpu.py says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import llama_cpp  # noqa: E402
+import llama_cpp_cpu  # noqa: E402,F401  (switches extra buffer types off before any Llama is created)
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: E402
+
+import mlxllama  # noqa: E402
+
+
+def timed(pieces) -> tuple[float, float, str, int]:
+    """(time of the first piece, of the last, the text, how many pieces) of a stream of text pieces."""
+    first = last = None
+    text = []
+    for piece in pieces:
+        last = time.perf_counter()
+        first = first or last
+        text.append(piece)
+    return first, last, "".join(text), len(text)
+
+
+def mlxllama_runs(path: str, prompt: str, n: int, runs: int, draft: int | None, k: int) -> dict:
+    rt = mlxllama.load(path)
+    out = []
+    for _ in range(runs + 1):
+        stream = rt.stream(prompt, n, draft=draft, draft_tokens=k)
+        first, last, text, _ = timed(stream)  # a piece may hold several tokens: count them from the result
+        result = stream.result
+        out.append({"decode_tokens_per_second": (len(result.token_ids) - 1) / (last - first), "text": text,
+                    "tokens": len(result.token_ids), "drafted": result.drafted, "accepted": result.accepted})
+    return summary(out[1:])
+
+
+def llama_cpp_runs(path: str, prompt: str, n: int, runs: int, threads: int, lookup: int | None, k: int) -> dict:
+    draft = LlamaPromptLookupDecoding(max_ngram_size=lookup, num_pred_tokens=k) if lookup else None
+    llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, draft_model=draft,
+                          verbose=False)
+    out = []
+    for _ in range(runs + 1):
+        llm.reset()  # no prefix reuse between runs: each prefills as mlxllama's does
+        pieces = (chunk["choices"][0]["text"] for chunk in
+                  llm.create_completion(prompt, max_tokens=n, temperature=0.0, stream=True))
+        first, last, text, count = timed(pieces)  # llama-cpp-python streams a chunk a token
+        out.append({"decode_tokens_per_second": (count - 1) / (last - first), "text": text, "tokens": count})
+    return summary(out[1:])
+
+
+def summary(runs: list[dict]) -> dict:
+    rates = [r["decode_tokens_per_second"] for r in runs]
+    return {"median_decode_tokens_per_second": statistics.median(rates), "min": min(rates), "max": max(rates),
+            "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--prompt-file", required=True)
+    parser.add_argument("-n", "--n-gen", type=int, default=128)
+    parser.add_argument("-r", "--runs", type=int, default=3)
+    parser.add_argument("--lookup", type=int, default=3)
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", dest="json_out")
+    args = parser.parse_args()
+    prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+    rows = {}
+    for name, run in [
+        ("mlxllama", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, None, args.draft_tokens)),
+        ("mlxllama lookup", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, args.lookup,
+                                                  args.draft_tokens)),
+        ("llama.cpp", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads, None,
+                                             args.draft_tokens)),
+        ("llama.cpp lookup", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads,
+                                                    args.lookup, args.draft_tokens)),
+    ]:
+        rows[name] = run()
+        r = rows[name]
+        print(f"{name}: {r['median_decode_tokens_per_second']:.2f} t/s (median of {args.runs};"
+              f" {r['min']:.2f}-{r['max']:.2f})", flush=True)
+    texts = {name: r["runs"][0]["text"] for name, r in rows.items()}
+    print("same text:", len(set(texts.values())) == 1)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"model": args.model, "prompt": prompt, "n_gen": args.n_gen, "lookup": args.lookup,
+                       "draft_tokens": args.draft_tokens, "threads": args.threads, "rows": rows,
+                       "same_text": len(set(texts.values())) == 1}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
