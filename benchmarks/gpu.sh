@@ -188,6 +188,8 @@ wait_healthy() {  # url pid: until GET url/health is 200, or the server has died
 serve_bench() {  # each concurrency: our server, then llama-server, the same client and settings
     mkdir -p "$out"
     local clients pid url=http://127.0.0.1:8090 bin=$work/llama-build/bin
+    # The build takes every core: wait for it, so that neither server is measured beside it.
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
     export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
     for clients in ${1//,/ }; do
         log mlxllama serve, $clients clients

@@ -60,9 +60,11 @@ def llama_cpp_runs(path: str, prompt: str, n: int, runs: int, threads: int, look
     out = []
     for _ in range(runs + 1):
         llm.reset()  # no prefix reuse between runs: each prefills as mlxllama's does
+        # llama-cpp-python streams a chunk a token, then an empty one with the finish reason
         pieces = (chunk["choices"][0]["text"] for chunk in
-                  llm.create_completion(prompt, max_tokens=n, temperature=0.0, stream=True))
-        first, last, text, count = timed(pieces)  # llama-cpp-python streams a chunk a token
+                  llm.create_completion(prompt, max_tokens=n, temperature=0.0, stream=True)
+                  if chunk["choices"][0]["finish_reason"] is None)
+        first, last, text, count = timed(pieces)
         out.append({"decode_tokens_per_second": (count - 1) / (last - first), "text": text, "tokens": count})
     return summary(out[1:])
 

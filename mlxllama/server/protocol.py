@@ -123,10 +123,10 @@ def read_speculation(body: dict) -> dict:
     speculative = body.get("speculative", True)
     if not isinstance(speculative, bool):
         raise ApiError("'speculative' must be true or false", "speculative")
-    for name, least in (("lookup", 1), ("draft_tokens", 1)):
+    for name in ("lookup", "draft_tokens"):
         value = body.get(name)
-        if value is not None and (not _integer(value) or not least <= value <= 64):
-            raise ApiError(f"'{name}' must be an integer from {least} to 64", name)
+        if value is not None and (not _integer(value) or not 1 <= value <= 64):
+            raise ApiError(f"'{name}' must be an integer from 1 to 64", name)
     prediction = read_prediction(body.get("prediction"))
     if not speculative and (body.get("lookup") is not None or body.get("draft_tokens") is not None or prediction):
         raise ApiError("'speculative': false excludes 'lookup', 'draft_tokens' and 'prediction'", "speculative")

@@ -44,6 +44,18 @@ class MaskedPass:
         return keys, values
 
 
+def assert_near_reference(rt, got: mx.array, want: mx.array) -> None:
+    """Logits equal to the masked full pass's: on the CPU the same products over the same kept keys,
+    equal within float32 rounding of the masked sums; float16 on a GPU, chunks and one pass round
+    differently, rotation or not (an H100 measured up to 0.29 for chat-tiny fed one token at a time,
+    whose residual stream reaches 5,500; mean 0.0024), where an unmasked pass differs by tens."""
+    difference = mx.abs(got - want)
+    if rt.model.compute_dtype == mx.float32:
+        assert float(difference.max()) < 1e-4
+    else:
+        assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+
+
 def reference_logits(rt, ids: list[int], max_size: int, keep: int) -> mx.array:
     """Logits of every position from one pass over all of `ids`, each query seeing the first `keep`
     positions and the last max_size - keep (sliding layers keep their own window on top)."""
@@ -69,16 +81,7 @@ def test_chunked_passes_equal_the_masked_full_pass(name, max_size, keep, chunk, 
         rotating = [layer for layer in kv if isinstance(layer, RotatingKVCache)]
         assert rotating and all(layer.offset == fed for layer in kv)  # positions advance by what is fed
         largest = max(largest, max(layer.keys.shape[2] for layer in rotating))
-    got, want = mx.concatenate(rows), reference_logits(rt, ids, max_size, keep)
-    difference = mx.abs(got - want)
-    if rt.model.compute_dtype == mx.float32:
-        # The same products over the same kept keys: equal within float32 rounding of the masked sums.
-        assert float(difference.max()) < 1e-4
-    else:
-        # float16 on a GPU: chunks and one pass round differently, rotation or not (an H100 measured
-        # up to 0.29 for chat-tiny fed one token at a time, whose residual stream reaches 5,500; mean
-        # 0.0024); an unmasked pass differs by tens.
-        assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+    assert_near_reference(rt, mx.concatenate(rows), reference_logits(rt, ids, max_size, keep))
     assert largest <= max_size + min(chunk, len(ids)) + GROWTH_STEP  # bounded, whatever the length
     assert rotating[0].start > keep  # it did drop positions
 
@@ -143,12 +146,7 @@ def test_rows_of_a_ring_batch_decode_as_the_masked_full_pass(name):
     assert all(layer.keys.shape[2] <= max_size for layer in batch)  # the ring never grows
     assert batch[0].lengths == [len(ids) for ids in fed]
     for ids, rows, prompt in zip(fed, got, prompts):
-        want = reference_logits(rt, ids, max_size, keep)[len(prompt) :]
-        difference = mx.abs(mx.stack(rows) - want)
-        if rt.model.compute_dtype == mx.float32:
-            assert float(difference.max()) < 1e-4
-        else:
-            assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+        assert_near_reference(rt, mx.stack(rows), reference_logits(rt, ids, max_size, keep)[len(prompt) :])
 
 
 @pytest.mark.parametrize("name", ["chat-tiny-Q4_K_M.gguf", "gemma3-tiny-Q8_0.gguf"])
@@ -182,12 +180,7 @@ def test_a_ring_with_spare_slots_takes_drafts_and_forgets_the_rejected_ones(name
     assert all(layer.keys.shape[2] <= max_size + spare for layer in batch)
     for ids, rows, prompt in zip(kept, got, prompts):
         assert len(ids) > max_size + len(prompt)  # past the wrap
-        want = reference_logits(rt, ids, max_size, keep)[len(prompt) :]
-        difference = mx.abs(mx.concatenate(rows) - want)
-        if rt.model.compute_dtype == mx.float32:
-            assert float(difference.max()) < 1e-4
-        else:
-            assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+        assert_near_reference(rt, mx.concatenate(rows), reference_logits(rt, ids, max_size, keep)[len(prompt) :])
     with pytest.raises(ValueError, match="takes at most 4 tokens a row"):
         rt.model(mx.array([[1] * 5, [1] * 5]), batch)
 
