@@ -256,28 +256,10 @@ class BatchDecoder:
     def prefill_chunk(self) -> list[Row]:
         """Feed the next chunk of the first joining prompt (or, grouping, the rest of the first few
         prompts together). Once a whole prompt is in, its first token is sampled and the row joins
-        the batch; the rows that token finished are returned.
-
-        A prompt whose rest fits in what the chunk left is fed next, one pass each, so that a
-        burst of short prompts joins before the next decode step: the running rows still wait no
-        longer than one chunk's worth of tokens, and a burst's last prompt does not wait for a
-        decode step per prompt before it."""
+        the batch; the rows that token finished are returned."""
         group = self._group()
         if len(group) > 1:
             return self._prefill_group(group)
-        finished, room = [], self.chunk
-        while True:
-            joining = self.joining[0]
-            rest = len(joining.row.request.ids) - joining.fed
-            finished += self._prefill_first()
-            room -= min(rest, self.chunk)
-            if self.joining and self.joining[0] is joining:  # its prompt goes on in the next chunk
-                return finished
-            if not self.joining or len(self.joining[0].row.request.ids) - self.joining[0].fed > room:
-                return finished
-
-    def _prefill_first(self) -> list[Row]:
-        """The first joining prompt's next chunk (or its short rest, stepped); the rows finished."""
         joining = self.joining[0]
         ids = joining.row.request.ids
         if self.stepped_rests and 0 < joining.fed and len(ids) - joining.fed <= STEPPED_REST_MAX:

@@ -169,22 +169,6 @@ def test_a_short_rest_after_a_cached_prefix_goes_through_the_decode_step(runtime
                                atol=1e-4)
 
 
-def test_a_burst_of_short_prompts_joins_before_the_next_decode_step(runtime, prompts):
-    """Without grouping (the server on a GPU), prompts whose rests fit in what the chunk left are
-    fed one pass each in the same call, so a burst joins before the running rows' next step; one
-    that does not fit waits for the next call. Each is fed alone: its ids are generate's."""
-    lengths = [len(p) for p in prompts[:4]]
-    decoder = BatchDecoder(runtime.model, runtime.tokenizer, 8, chunk=sum(lengths[:3]))
-    rows = [decoder.admit(i, Request(p, 8)) for i, p in enumerate(prompts[:4])]
-    decoder.prefill_chunk()
-    assert [r in decoder.rows for r in rows] == [True, True, True, False] and len(decoder.joining) == 1
-    decoder.prefill_chunk()
-    assert not decoder.joining
-    while decoder.rows:
-        decoder.step()
-    assert [r.ids for r in rows] == [runtime.generate(p, 8).token_ids for p in prompts[:4]]
-
-
 def feed_burst(runtime, prompts, group: bool, monkeypatch):
     """Every prompt admitted at once, the last continuing a stored prefix of itself, then prefilled
     and decoded to its end: the shapes fed, each row's first-layer keys as stored, and the rows."""
