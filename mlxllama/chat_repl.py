@@ -19,6 +19,7 @@ from .distributed import launched, share, world
 from .errors import MlxLlamaError
 from .files import STDOUT, WriteError
 from .line_editor import open_line_editor
+from .speculative import acceptance_note
 
 CHAT_HELP = """commands: /reset (forget the conversation), /system TEXT (set the system message; empty clears it),
 /history (show the conversation), /save FILE (write a JSON transcript), /quit (or Ctrl-D).
@@ -54,10 +55,14 @@ def run_chat(session: ChatSession, stdin: TextIO) -> int:
                 if run_command(session, line):
                     break
                 continue
+            drafts = session.speculation and (session.speculation.drafted, session.speculation.accepted)
             for piece in session.send(line):
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
+            if drafts and session.speculation.drafted > drafts[0]:
+                click.echo(acceptance_note(session.speculation.drafted - drafts[0],
+                                           session.speculation.accepted - drafts[1]), err=True)
         except KeyboardInterrupt:
             click.echo("\n[reply stopped]", err=True)
         except MlxLlamaError as e:

@@ -231,9 +231,9 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
                 why = "its first token ended the reply" if stream.result.finish_reason == "stop" else "no room to reply"
                 click.echo(f"[no text: {why}]", err=True)
             if stream.result.drafted:
-                r = stream.result
-                click.echo(f"[speculative: {r.accepted} of {count(r.drafted, 'drafted token')} accepted"
-                           f" ({r.accepted / r.drafted:.0%})]", err=True)
+                from .speculative import acceptance_note
+
+                click.echo(acceptance_note(stream.result.drafted, stream.result.accepted), err=True)
         else:
             stream.run()
         results.append({"model": runtime.path, "template": prompt.template, "prompt": prompt.text,

@@ -31,7 +31,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .cache import rotates
 from .constraints import Guide
-from .errors import MlxLlamaError
+from .errors import MlxLlamaError, count
 from .generate import generation_room, prefill
 from .prompt_cache import common_prefix
 from .sampling import SamplingParams, filter_logits, process_logits
@@ -250,6 +250,11 @@ class Drafting:
         if self.lookup is not None:
             return PromptLookup(self.lookup, self.reference)
         return DraftModel(self.model, max_kv_size, keep)
+
+
+def acceptance_note(drafted: int, accepted: int) -> str:
+    """What the command line says of a reply's drafts (on stderr)."""
+    return f"[speculative: {accepted} of {count(drafted, 'drafted token')} accepted ({accepted / drafted:.0%})]"
 
 
 def check_same_vocabulary(draft, target, path: str) -> None:

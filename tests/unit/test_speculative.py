@@ -433,3 +433,12 @@ def test_a_row_drafting_from_its_own_reply_keeps_every_draft():
         Request(rt.tokenize("The cat sat on"), 80, drafting=drafting)]) for _, r in finished]
     assert_same_greedy(rt, plain.prompt_ids, result.token_ids, plain.token_ids)
     assert result.accepted >= 60 and result.drafted - result.accepted <= 1, (result.drafted, result.accepted)
+
+
+def test_chat_on_the_command_line_reports_each_replys_drafts():
+    lines = "What is the capital of Japan?\nWhat is 17 plus 25?\n"
+    plain = CliRunner().invoke(main, ["chat"], input=lines)
+    drafted = CliRunner().invoke(main, ["chat", "--lookup", "2"], input=lines)
+    assert drafted.exit_code == 0 and drafted.stdout == plain.stdout
+    notes = [line for line in drafted.stderr.splitlines() if line.startswith("[speculative: ")]
+    assert len(notes) == 2 and all(" drafted tokens accepted (" in note for note in notes), drafted.stderr
