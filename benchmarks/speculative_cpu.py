@@ -1,13 +1,14 @@
-"""Prompt lookup on the CPU, mlxllama beside llama.cpp, in one process: greedy decode tokens/s with
-and without it on one raw prompt.
+"""Speculative decoding on the CPU, mlxllama beside llama.cpp, in one process: greedy decode
+tokens/s with and without it on one raw prompt.
 
     python benchmarks/speculative_cpu.py MODEL.gguf --prompt-file copy.txt [-n 128] [-r 3]
-        [--lookup 3] [--draft-tokens 5] [--threads 2] [--json OUT]
+        [--lookup 3 | --draft-model DRAFT.gguf] [--draft-tokens 5] [--threads 2] [--json OUT]
 
-mlxllama: `Runtime.stream` without and with `draft=LOOKUP`; llama.cpp: llama-cpp-python's
-`create_completion` without and with its `LlamaPromptLookupDecoding(max_ngram_size=LOOKUP,
-num_pred_tokens=K)` (llama-cpp-python's own prompt lookup over llama.cpp's model; llama.cpp's C++
-lookup lives in llama-server, which this machine does not build). Each is timed from its first
+mlxllama: `Runtime.stream` without and with `draft=` (the n-gram length, or the loaded draft
+model); llama.cpp: llama-cpp-python's `create_completion` without and with its `draft_model=`:
+its own `LlamaPromptLookupDecoding(max_ngram_size=LOOKUP, num_pred_tokens=K)`, or K greedy tokens
+of a second llama.cpp model of the draft file (llama-cpp-python checks the drafts against llama.cpp's
+model; llama.cpp's C++ speculation lives in llama-server, which this machine does not build). Each is timed from its first
 streamed text to its last, so prefill is not in the rate; one untimed run first, then -r. The texts
 are kept, so the four can be checked to be the same. Needs llama-cpp-python (a test-time
 reference; extra buffer types are switched off, as scripts/llama_cpp_cpu.py says why).
@@ -25,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import llama_cpp  # noqa: E402
 import llama_cpp_cpu  # noqa: E402,F401  (switches extra buffer types off before any Llama is created)
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: E402
+import numpy as np  # noqa: E402
+from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding  # noqa: E402
 
 import mlxllama  # noqa: E402
 
@@ -41,8 +43,10 @@ def timed(pieces) -> tuple[float, float, str, int]:
     return first, last, "".join(text), len(text)
 
 
-def mlxllama_runs(path: str, prompt: str, n: int, runs: int, draft: int | None, k: int) -> dict:
+def mlxllama_runs(path: str, prompt: str, n: int, runs: int, drafter, k: int) -> dict:
+    """drafter: None, an n-gram length (prompt lookup) or a draft model's path."""
     rt = mlxllama.load(path)
+    draft = mlxllama.load(drafter) if isinstance(drafter, str) else drafter
     out = []
     for _ in range(runs + 1):
         stream = rt.stream(prompt, n, draft=draft, draft_tokens=k)
@@ -53,8 +57,29 @@ def mlxllama_runs(path: str, prompt: str, n: int, runs: int, draft: int | None, 
     return summary(out[1:])
 
 
-def llama_cpp_runs(path: str, prompt: str, n: int, runs: int, threads: int, lookup: int | None, k: int) -> dict:
-    draft = LlamaPromptLookupDecoding(max_ngram_size=lookup, num_pred_tokens=k) if lookup else None
+class LlamaModelDraft(LlamaDraftModel):
+    """K greedy tokens of another llama.cpp model after the text so far (its own cache keeps what
+    the text shares with the last call: Llama.generate reuses the longest common prefix)."""
+
+    def __init__(self, path: str, k: int, threads: int):
+        self.llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.k = k
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
+        drafts = []
+        for token in self.llm.generate(input_ids.tolist(), temp=0.0):
+            drafts.append(token)
+            if len(drafts) == self.k:
+                break
+        return np.array(drafts, dtype=np.intc)
+
+
+def llama_cpp_runs(path: str, prompt: str, n: int, runs: int, threads: int, drafter, k: int) -> dict:
+    """drafter: None, an n-gram length (prompt lookup) or a draft model's path."""
+    if isinstance(drafter, int):
+        draft = LlamaPromptLookupDecoding(max_ngram_size=drafter, num_pred_tokens=k)
+    else:
+        draft = LlamaModelDraft(drafter, k, threads) if drafter else None
     llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, draft_model=draft,
                           verbose=False)
     out = []
@@ -82,20 +107,21 @@ def main() -> None:
     parser.add_argument("-n", "--n-gen", type=int, default=128)
     parser.add_argument("-r", "--runs", type=int, default=3)
     parser.add_argument("--lookup", type=int, default=3)
+    parser.add_argument("--draft-model", metavar="GGUF", help="a draft model instead of prompt lookup")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args()
     prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+    drafter, label = (args.draft_model, "draft model") if args.draft_model else (args.lookup, "lookup")
+    k = args.draft_tokens
     rows = {}
     for name, run in [
-        ("mlxllama", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, None, args.draft_tokens)),
-        ("mlxllama lookup", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, args.lookup,
-                                                  args.draft_tokens)),
-        ("llama.cpp", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads, None,
-                                             args.draft_tokens)),
-        ("llama.cpp lookup", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads,
-                                                    args.lookup, args.draft_tokens)),
+        ("mlxllama", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, None, k)),
+        (f"mlxllama {label}", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, drafter, k)),
+        ("llama.cpp", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads, None, k)),
+        (f"llama.cpp {label}", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads,
+                                                      drafter, k)),
     ]:
         rows[name] = run()
         r = rows[name]
@@ -105,7 +131,7 @@ def main() -> None:
     print("same text:", len(set(texts.values())) == 1)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"model": args.model, "prompt": prompt, "n_gen": args.n_gen, "lookup": args.lookup,
+            json.dump({"model": args.model, "prompt": prompt, "n_gen": args.n_gen, "drafter": drafter,
                        "draft_tokens": args.draft_tokens, "threads": args.threads, "rows": rows,
                        "same_text": len(set(texts.values())) == 1}, f, indent=1)
 

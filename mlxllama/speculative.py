@@ -62,7 +62,7 @@ class Chooser:
         return float(mx.random.uniform(key=self._next_key()).item())
 
     def processed(self, logits: mx.array, context: Sequence[int], generated: Counter,
-                   allowed: mx.array | None) -> mx.array:
+                  allowed: mx.array | None) -> mx.array:
         """Plain decoding's processors, then a constraint's mask (allowed), as make_sampler applies them."""
         logits = process_logits(logits, self.params, context, generated)
         return logits if allowed is None else mx.where(allowed, logits, mx.array(-math.inf, logits.dtype))
