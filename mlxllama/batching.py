@@ -226,6 +226,10 @@ class BatchDecoder:
         self.cache = model.make_batch_cache(max_kv_size, keep, draft_room)
         self.rows: list[Row] = []
         self.joining: deque[Joining] = deque()
+        # Pipelined steps (step): each row's next input, on the device (None: each row's last id),
+        # and whether the host has yet to read it (a token sampled by the last step).
+        self.inputs: mx.array | None = None
+        self.unread: list[bool] = []
 
     @property
     def room(self) -> int:
@@ -335,15 +339,61 @@ class BatchDecoder:
         for layer, row_layer in zip(self.cache, joining.cache):
             layer.add(row_layer)
         self.rows.append(row)
+        if self.inputs is not None:  # its first token, read already, is its next input
+            self.inputs = mx.concatenate([self.inputs, mx.array([row.ids[-1]], self.inputs.dtype)])
+        self.unread.append(False)
         return []
 
     def step(self) -> list[Row]:
         """One decode step of every row (with speculation, a check of each row's drafts: up to k + 1
-        tokens a row); the rows it finished, which have left the batch."""
+        tokens a row); the rows it finished, which have left the batch.
+
+        Where no row needs its last token on the host before the next step (no constraint, drafts
+        or log-probabilities), steps are pipelined as generate's loop is: a step feeds each row the
+        token the previous step sampled, still on the device, and queues the next sampling before
+        the host reads that token, so the host's work overlaps the device's. A row then learns of
+        a token one call later, and a token that finishes it has been fed (one position more,
+        never seen: the row leaves)."""
         if not self.rows:
             return []
+        if self._pipelines():
+            return self._leave(self._pipelined_step())
+        finished = self._leave(self._read_inputs())  # the tokens the pipeline left unread, first
+        if not self.rows:
+            return finished
         proposals = [row.propose() for row in self.rows]
         done = self._checked_step(proposals) if any(drafts for drafts, _ in proposals) else self._plain_step()
+        return finished + self._leave(done)
+
+    def _pipelines(self) -> bool:
+        return self.model.shard is None and not any(
+            row.guide is not None or row.drafter is not None or row.request.logprobs is not None for row in self.rows)
+
+    def _pipelined_step(self) -> list[bool]:
+        """Feed each row its next input (the previous step's token, unread, or its last id), queue
+        the sampling of the token after it, then read the inputs: whether each row finished."""
+        inputs = self.inputs if self.inputs is not None else mx.array([row.ids[-1] for row in self.rows])
+        logits = self.model.step(inputs[:, None], self.cache)
+        # The repeat penalty sees a fed token the host has not read yet as `pending`.
+        self.inputs = mx.stack([row.sampler(logits[i], row.context, inputs[i] if self.unread[i] else None)
+                                for i, row in enumerate(self.rows)])
+        mx.async_eval(self.inputs)
+        fed, unread = inputs.tolist(), self.unread
+        self.unread = [True] * len(self.rows)
+        return [bool(unread[i]) and row.accept(fed[i]) for i, row in enumerate(self.rows)]
+
+    def _read_inputs(self) -> list[bool]:
+        """The tokens the last pipelined step sampled, read and taken by their rows, which will feed
+        them from the host: whether each row finished."""
+        if self.inputs is None:
+            return [False] * len(self.rows)
+        tokens, unread = self.inputs.tolist(), self.unread
+        self.inputs, self.unread = None, [False] * len(self.rows)
+        return [bool(unread[i]) and row.accept(tokens[i]) for i, row in enumerate(self.rows)]
+
+    def _leave(self, done: list[bool]) -> list[Row]:
+        """The rows `done` marks finished: stored in the prompt cache (what they fed, but their last
+        token) and taken out of the batch."""
         finished = [row for row, d in zip(self.rows, done) if d]
         if finished and self.prompt_cache is not None:
             for i, row in enumerate(self.rows):
@@ -411,6 +461,9 @@ class BatchDecoder:
             self.rows = [self.rows[i] for i in keep]
             for layer in self.cache:
                 layer.keep_rows(keep)
+            self.unread = [self.unread[i] for i in keep]
+            if self.inputs is not None:
+                self.inputs = self.inputs[mx.array(keep, mx.int32)] if keep else None
 
 
 def generate_batch(model: Transformer, tokenizer: Tokenizer, requests: Sequence[Request], batch_size: int = 8,

@@ -63,5 +63,7 @@ def test_warm_up_runs_every_batch_size_class_and_leaves_nothing_behind():
     step = decoder.step
     decoder.step = lambda: (sizes.append(len(decoder.rows)), step())[1]
     warm_up(decoder)
-    assert sizes == [1, 2, 4, 6]  # one step each: two tokens a request, the first sampled at prefill
+    # Two tokens a request, the first sampled at prefill: a step samples the second, and (steps being
+    # pipelined) the next reads it.
+    assert sizes == [1, 1, 2, 2, 4, 4, 6, 6]
     assert not decoder.rows and not decoder.joining and decoder.prompt_cache is None
