@@ -6,7 +6,6 @@ usage as OpenAI's Predicted Outputs count them."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 
 import httpx
 import openai
