@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import statistics
 import time
+from typing import Iterator
 
 import httpx
 
@@ -27,21 +28,25 @@ QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is
              "Tell me about the capital of Italy.", "What is the opposite of hot?", "What is 9 plus 33?", "Hello!"]
 
 
+def streamed_chunks(url: str, path: str, body: dict) -> Iterator[dict]:
+    """The JSON chunks of a streamed OpenAI-style request: its `data:` events, up to `[DONE]`."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def one_request(url: str, question: str, max_tokens: int) -> dict:
     body = {"model": "any", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals, tokens = [], 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
-                arrivals.append(time.perf_counter())
+    for chunk in streamed_chunks(url, "/v1/chat/completions", body):
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+            arrivals.append(time.perf_counter())
     return {"ttft": arrivals[0] - start if arrivals else None,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens or len(arrivals)}
 

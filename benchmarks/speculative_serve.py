@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 
-import httpx
+from serve_bench import streamed_chunks  # benchmarks/ is the script's own folder
 
 
 def one_run(url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
@@ -29,26 +29,21 @@ def one_run(url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
             "stream_options": {"include_usage": True}, **extra}
     first = last = None
     tokens, text, drafts = 0, [], {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
-            if piece:
-                last = time.perf_counter()
-                first = first or last
-                text.append(piece)
-            usage = chunk.get("usage") or {}
-            tokens = usage.get("completion_tokens", tokens)
-            details = usage.get("completion_tokens_details") or {}
-            if "accepted_prediction_tokens" in details:
-                drafts = {"accepted": details["accepted_prediction_tokens"],
-                          "drafted": details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]}
-            timings = chunk.get("timings") or {}
-            if timings.get("draft_n"):
-                drafts = {"accepted": timings["draft_n_accepted"], "drafted": timings["draft_n"]}
+    for chunk in streamed_chunks(url, "/v1/completions", body):
+        piece = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
+        if piece:
+            last = time.perf_counter()
+            first = first or last
+            text.append(piece)
+        usage = chunk.get("usage") or {}
+        tokens = usage.get("completion_tokens", tokens)
+        details = usage.get("completion_tokens_details") or {}
+        if "accepted_prediction_tokens" in details:
+            drafts = {"accepted": details["accepted_prediction_tokens"],
+                      "drafted": details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]}
+        timings = chunk.get("timings") or {}
+        if timings.get("draft_n"):
+            drafts = {"accepted": timings["draft_n_accepted"], "drafted": timings["draft_n"]}
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
     return {"tokens": tokens, "decode_tokens_per_second": rate, "text": "".join(text), **drafts}
 
