@@ -378,18 +378,22 @@ class BatchDecoder:
         self.inputs = mx.stack([row.sampler(logits[i], row.context, inputs[i] if self.unread[i] else None)
                                 for i, row in enumerate(self.rows)])
         mx.async_eval(self.inputs)
-        fed, unread = inputs.tolist(), self.unread
-        self.unread = [True] * len(self.rows)
-        return [bool(unread[i]) and row.accept(fed[i]) for i, row in enumerate(self.rows)]
+        unread, self.unread = self.unread, [True] * len(self.rows)
+        return self._take(inputs, unread)
 
     def _read_inputs(self) -> list[bool]:
         """The tokens the last pipelined step sampled, read and taken by their rows, which will feed
         them from the host: whether each row finished."""
         if self.inputs is None:
             return [False] * len(self.rows)
-        tokens, unread = self.inputs.tolist(), self.unread
+        inputs, unread = self.inputs, self.unread
         self.inputs, self.unread = None, [False] * len(self.rows)
-        return [bool(unread[i]) and row.accept(tokens[i]) for i, row in enumerate(self.rows)]
+        return self._take(inputs, unread)
+
+    def _take(self, tokens: mx.array, unread: list[bool]) -> list[bool]:
+        """Each row takes its token that the host had not read (waiting for it): whether it finished."""
+        ids = tokens.tolist()
+        return [unread[i] and row.accept(ids[i]) for i, row in enumerate(self.rows)]
 
     def _leave(self, done: list[bool]) -> list[Row]:
         """The rows `done` marks finished: stored in the prompt cache (what they fed, but their last
@@ -441,12 +445,9 @@ class BatchDecoder:
                 row.drafted, row.accepted = row.drafted + len(drafts), row.accepted + len(accepted)
                 emitted = accepted + [following]
             lengths.append(before[i] + len(emitted))  # the last id and the kept drafts were fed; not the new token
-            finished = False
-            for j, token in enumerate(emitted):
-                if row.accept(token, logits[i, j] if row.request.logprobs is not None else None):
-                    finished = True
-                    break
-            done.append(finished)
+            # Taken in order until one finishes the row (any() stops there).
+            done.append(any(row.accept(token, logits[i, j] if row.request.logprobs is not None else None)
+                            for j, token in enumerate(emitted)))
         for layer in self.cache:
             layer.cut_rows(lengths)
         return done
