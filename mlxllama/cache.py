@@ -3,8 +3,8 @@
 KVCache grows in fixed steps, so a decode step never copies the whole cache; SlidingKVCache keeps
 only what a sliding-window layer can still attend to, so its memory stays bounded however long
 the sequence; RotatingKVCache bounds a full-attention layer's the same way; BatchKVCache holds rows
-of different lengths for batched decoding; SlotCache is a KVCache's buffers inside the compiled
-decode step. Every kind but SlotCache can store its keys and values quantized (KVQuantization).
+of different lengths for batched decoding. Every kind can store its keys and values quantized
+(KVQuantization).
 """
 
 from __future__ import annotations
@@ -180,7 +180,15 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
-        keys, values = self._stored(keys, values, self.offset + new)
+        end = self.offset + new
+        if self.quantization is None and self.keys is not None and end <= self.keys.shape[2]:
+            # A decode step's case, written out: plain buffers with room. The general path's helpers
+            # cost a layer some microseconds of the host's time a step, and the host bounds a step.
+            self.keys[..., self.offset : end, :] = keys
+            self.values[..., self.offset : end, :] = values
+            self.offset = end
+            return self.keys[..., :end, :], self.values[..., :end, :]
+        keys, values = self._stored(keys, values, end)
         if self.keys is None or self.offset + new > capacity(self.keys):
             self._grow(keys, values, new)
         write(self.keys, self.offset, keys)
@@ -198,7 +206,7 @@ class KVCache:
 
     def make_room(self, new: int) -> None:
         """Make the buffers (already allocated) hold `new` more positions, for a step that writes
-        them in place (model.Transformer.step) and then calls advance."""
+        them in place (the CUDA kernels: mlxllama.cuda) and then calls advance."""
         if self.offset + new > capacity(self.keys):
             self._grow(self.keys, self.values, new)
 
@@ -410,31 +418,6 @@ def rotates(cache) -> bool:
     """Whether a cache drops old positions (RotatingKVCache, RingKVCache), so its positions may pass
     the context and are not in the slots of their number."""
     return any(isinstance(layer, (RotatingKVCache, RingKVCache)) for layer in cache)
-
-
-class SlotCache:
-    """One layer's whole KVCache buffers inside a compiled decode step (model.Transformer.step).
-
-    New keys/values are written at `position`, an array, so the step's shapes do not depend on
-    how many positions are filled; attention reads every slot and `mask` hides the slots past
-    the new token (zeros, or stale values after a trim).
-    """
-
-    def __init__(self, keys: mx.array, values: mx.array, position: mx.array):
-        self.keys, self.values, self.position = keys, values, position
-
-    @property
-    def offset(self) -> mx.array:
-        return self.position
-
-    def mask(self, length: int, window: int = 0) -> mx.array:
-        return visible(self.position + mx.arange(length)[:, None], mx.arange(self.keys.shape[2])[None, :], window)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        start = self.position.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        return self.keys, self.values
 
 
 def make_cache(windows: list[int], bounded: bool = True, max_size: int = 0, keep: int = 0,

@@ -3,7 +3,7 @@
 A decode step on a GPU is bound by the number of kernels it launches, not by the bytes it reads
 (docs/benchmarks.md), so one product over the stacked rows beats two or three. Layers fuse only
 when their weights share one form: all float, or all of one affine bit width, with or without
-stored biases alike. A Q4_K_M layer whose attn_v is Q6_K keeps its three projections.
+stored biases alike. A Q4_K_M layer whose attn_v is Q6_K stacks Q and K only (`attn_qk`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import mlx.nn as nn
 
 from .models.transformer import Block
 
-FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+# In order of preference: attn_qk is tried where attn_qkv's three differ in form.
+FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_qk": ("attn_q", "attn_k"),
+         "ffn_gate_up": ("ffn_gate", "ffn_up")}
 
 
 def fuse_block(block: Block) -> None:
     """Give the block `attn_qkv` and `ffn_gate_up` in place of the layers they stack, where it can."""
     for fused, parts in FUSED.items():
-        if fused in block or parts[0] not in block:  # the file stored them fused (Phi-3), or a mixture's experts
+        if fused in block or any(p not in block for p in parts):  # stored fused (Phi-3), stacked, or a mixture's
             continue
         layer = stacked([block[p] for p in parts])
         if layer is not None:

@@ -52,10 +52,13 @@ class Projection:
 
 
 def _projections(block: nn.Module, fused: str, sizes: list[int]) -> list[Projection]:
-    """The projections fusion.py stacks as `fused`, in order, whether the block has them stacked or not."""
+    """The projections fusion.py stacks as `fused`, in order, whether the block has them stacked or not
+    (or Q and K stacked as attn_qk, and V alone)."""
     if fused in block:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [Projection(block[fused], slice(s, s + n)) for s, n in zip(starts, sizes)]
+    if fused == "attn_qkv" and "attn_qk" in block:
+        return _projections(block, "attn_qk", sizes[:2]) + [Projection(block.attn_v)]
     return [Projection(block[p]) for p in FUSED[fused]]
 
 
@@ -234,7 +237,7 @@ class KernelStep:
 def _compiled(step: KernelStep, method: str):
     """mx.compile of a method of the step (_forward or _batch_forward), which then costs one call
     from Python instead of building the step's graph (about 25 operations) every token; it holds
-    the step weakly, as the model's CompiledStep holds its model."""
+    the step weakly, as the model's PlainStep holds its model."""
     step_ref = weakref.ref(step)
     return mx.compile(lambda *args: getattr(step_ref(), method)(*args))
 

@@ -8,13 +8,14 @@ weights load by name and a tensor can be followed from the file to the layer tha
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, SlotCache, causal_mask, kv_map,
-                     make_batch_cache, make_cache, quantizes, visible)
+from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, causal_mask, kv_map, make_batch_cache,
+                     make_cache, visible)
 from .config import ModelConfig
 
 if TYPE_CHECKING:
@@ -24,9 +25,12 @@ if TYPE_CHECKING:
 class RMSNorm(nn.RMSNorm):
     """RMSNorm whose output is in the compute type.
 
-    Its float32 weight would otherwise promote what follows to float32: on a GPU every product
-    would run as float32 instead of float16 on tensor cores (pp512 on an H100: docs/benchmarks.md).
-    The residual stream it reads stays float32, as llama.cpp keeps it.
+    A float32 weight or input would otherwise promote what follows to float32: on a GPU every
+    product would run as float32 instead of float16 on tensor cores (pp512 on an H100:
+    docs/benchmarks.md). The loader gives the weight in the compute type, and a block's norms read
+    the residual stream as the residual add already cast it (residual_add), so a norm is one kernel
+    where an input in another type would take a cast more. The stream itself stays float32, as
+    llama.cpp keeps it.
     """
 
     def __init__(self, dims: int, eps: float, compute_dtype: mx.Dtype):
@@ -35,6 +39,28 @@ class RMSNorm(nn.RMSNorm):
 
     def __call__(self, x: mx.array) -> mx.array:
         return super().__call__(x).astype(self.compute_dtype)
+
+
+# Element-wise steps of a layer as one kernel each: uncompiled, MLX would launch the cast of y, and
+# the activation apart from its product, as kernels of their own, and a decode step on a GPU is
+# bound by the number of its launches (docs/benchmarks.md).
+@partial(mx.compile, shapeless=True)
+def residual_add(x: mx.array, y: mx.array) -> tuple[mx.array, mx.array]:
+    """y added to the residual stream x, in x's type (float32, as llama.cpp keeps it), and the sum
+    in y's (the compute type), which the next norm reads: the cast rides in this kernel."""
+    h = x + y.astype(x.dtype)
+    return h, h.astype(y.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """Gemma's gated FFN: GELU by its tanh approximation."""
+    return nn.gelu_approx(gate) * up
 
 
 class Block(nn.Module):
@@ -85,7 +111,7 @@ class Block(nn.Module):
         self._rope_scale = 1.0 if local else config.rope_scale
         self._rope_attn_scale = rope_attn_scale(config)
         self._attention_scale = config.attention_scale or head_dim**-0.5
-        self._activation = nn.gelu_approx if config.ffn_activation == "gelu" else nn.silu
+        self._gated = geglu if config.ffn_activation == "gelu" else swiglu
         # Transformer.attend_prefill_explicitly sets this (runtime.load, on CUDA).
         self._explicit_prefill = False
         # `trace --attention`: a list that each pass's attention weights are appended to, computed
@@ -97,29 +123,41 @@ class Block(nn.Module):
         """The attention window of this layer (0: every earlier position)."""
         return self._window
 
-    def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
+        """Queries, keys [batch, heads, length, head_dim] (normed where the model norms them, not yet
+        turned by RoPE) and values. Where the queries and keys come out of one product and need no
+        norms of their own, they stay together, as one array of n_heads + n_kv_heads heads with keys
+        None, so that RoPE turns them in one kernel: a decode step on a GPU is bound by its launches."""
         c = self.config
         batch, length, _ = x.shape
+        qk_dim = (c.n_heads + c.n_kv_heads) * c.head_dim
         if "attn_qkv" in self:
-            q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-            q, k, v = mx.split(self.attn_qkv(x), [q_dim, q_dim + kv_dim], axis=-1)
+            qk, v = mx.split(self.attn_qkv(x), [qk_dim], axis=-1)
+        elif "attn_qk" in self:
+            qk, v = self.attn_qk(x), self.attn_v(x)
         else:
-            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+            qk, v = None, self.attn_v(x)
+        v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        if qk is not None and "attn_q_norm" not in self:
+            return qk.reshape(batch, length, -1, c.head_dim).transpose(0, 2, 1, 3), None, v
+        q, k = mx.split(qk, [c.n_heads * c.head_dim], axis=-1) if qk is not None else (self.attn_q(x), self.attn_k(x))
         q = q.reshape(batch, length, c.n_heads, c.head_dim)
         k = k.reshape(batch, length, c.n_kv_heads, c.head_dim)
         if "attn_q_norm" in self:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
+
+    def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
+        c = self.config
+        batch, length, _ = x.shape
+        q, k, v = self.queries_keys_values(x)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
-        base = self._rope_base if self._rope_freqs is None else None  # MLX takes one or the other
-        rope = dict(traditional=c.rope_traditional, base=base, scale=self._rope_scale, offset=position, freqs=self._rope_freqs)
-        q = mx.fast.rope(q, c.rope_dim, **rope)
-        k = mx.fast.rope(k, c.rope_dim, **rope)
-        if self._rope_attn_scale is not None:
-            scale = self._rope_attn_scale.astype(q.dtype)
-            q, k = q * scale, k * scale
+        if k is None:  # q holds the queries' heads, then the keys': one RoPE kernel turns both
+            qk = self.rope(q, position)
+            q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
+        else:
+            q, k = self.rope(q, position), self.rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self._attention_probe is not None:
@@ -135,9 +173,20 @@ class Block(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
-    def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
-        h = x + self.attention_residual(x, mask, cache)
-        return h + self.mlp_residual(h)
+    def rope(self, x: mx.array, position) -> mx.array:
+        """Heads [batch, heads, length, head_dim] turned for their positions (from `position` on)."""
+        c = self.config
+        base = self._rope_base if self._rope_freqs is None else None  # MLX takes one or the other
+        x = mx.fast.rope(x, c.rope_dim, traditional=c.rope_traditional, base=base, scale=self._rope_scale,
+                         offset=position, freqs=self._rope_freqs)
+        return x * self._rope_attn_scale.astype(x.dtype) if self._rope_attn_scale is not None else x
+
+    def __call__(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None,
+                 x_compute: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """The residual stream x (float32) after this block, and the same in the compute type, which
+        is what the next block's norm reads; `x_compute`: x so, where the block before gave it."""
+        h, h_compute = residual_add(x, self.attention_residual(x if x_compute is None else x_compute, mask, cache))
+        return residual_add(h, self.mlp_residual(h_compute))
 
     def attention_residual(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         """What attention adds to the residual stream x."""
@@ -160,7 +209,7 @@ class Block(nn.Module):
             gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
         else:
             gate, up = self.ffn_gate(x), self.ffn_up(x)
-        return self.ffn_down(self._activation(gate) * up)
+        return self.ffn_down(self._gated(gate, up))
 
 
     def mixture(self, x: mx.array) -> mx.array:
@@ -172,7 +221,7 @@ class Block(nn.Module):
         chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [..., k], in no order
         weights = mx.take_along_axis(probs, chosen, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)
-        out = expert_outputs(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self._activation, x, chosen)
+        out = expert_outputs(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self._gated, x, chosen)
         return (out.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
 
 
@@ -184,7 +233,7 @@ class Block(nn.Module):
 SORT_EXPERTS_MIN_PAIRS = 64
 
 
-def expert_outputs(gate, up, down, activation, x: mx.array, chosen: mx.array,
+def expert_outputs(gate, up, down, gated, x: mx.array, chosen: mx.array,
                    sort: bool | None = None) -> mx.array:
     """The chosen experts' gated FFNs of each row: x [..., hidden], chosen [..., k] -> [..., k, hidden].
     `sort` (default: by SORT_EXPERTS_MIN_PAIRS on Metal) runs the pairs in expert order."""
@@ -192,14 +241,14 @@ def expert_outputs(gate, up, down, activation, x: mx.array, chosen: mx.array,
         sort = chosen.size >= SORT_EXPERTS_MIN_PAIRS and mx.default_device() == mx.gpu and mx.metal.is_available()
     if not sort:
         x = x[..., None, None, :]  # [..., 1, 1, hidden]: one row, for each of the k experts
-        h = activation(gate(x, chosen)) * up(x, chosen)  # [..., k, 1, width]
+        h = gated(gate(x, chosen), up(x, chosen))  # [..., k, 1, width]
         return down(h, chosen)[..., 0, :]
     k = chosen.shape[-1]
     flat = chosen.reshape(-1)
     order = mx.argsort(flat)
     experts = flat[order]
     rows = x.reshape(-1, x.shape[-1])[order // k][:, None, :]  # [pairs, 1, hidden], in expert order
-    h = activation(gate(rows, experts, sorted_indices=True)) * up(rows, experts, sorted_indices=True)
+    h = gated(gate(rows, experts, sorted_indices=True), up(rows, experts, sorted_indices=True))
     out = down(h, experts, sorted_indices=True)[:, 0, :]
     return out[mx.argsort(order)].reshape(*chosen.shape, -1)
 
@@ -232,14 +281,16 @@ class Transformer(nn.Module):
         block_config = shard.block_config(config) if shard else config
         group = shard.group if shard and shard.mode == "tensor" else None
         self.blk = [Block(block_config, compute_dtype, i, group) for i in layers]
+        # Each window the layers use, with the first layer that uses it (masks() asks its cache).
+        self._first_layer_of_window = tuple({block.window: i for i, block in reversed(list(enumerate(self.blk)))}.items())
         # How the caches made for this model store keys and values (store_kv_quantized).
         self.kv_quantization: KVQuantization | None = None
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # What serves `step`: the compiled MLX step below, unless runtime.load chose a backend's own
+        # What serves `step`: the plain MLX step below, unless runtime.load chose a backend's own
         # (mlxllama.cuda's kernels), which hands what it does not take back to this one.
-        self.decode_step: DecodeStep = CompiledStep(self)
+        self.decode_step: DecodeStep = PlainStep(self)
 
     @property
     def sampling_group(self):
@@ -283,8 +334,9 @@ class Transformer(nn.Module):
         stage = self.shard if self.shard and self.shard.mode == "pipeline" else None
         if stage and not stage.first:  # a later stage starts from the one before's output
             h = mx.distributed.recv_like(h, stage.rank - 1, group=stage.group)
+        h_compute = None
         for i, block in enumerate(self.blk):
-            h = block(h, masks[block.window], cache[i] if cache else None)
+            h, h_compute = block(h, masks[block.window], cache[i] if cache else None, h_compute)
         return hand_on(h, stage) if stage else h
 
     def embed(self, tokens: mx.array) -> mx.array:
@@ -295,12 +347,8 @@ class Transformer(nn.Module):
     def masks(self, length: int, cache=None) -> dict[int, object]:
         """The attention mask of `length` new tokens for each window the layers use (0: none),
         from the cache of the first layer with that window."""
-        masks = {}
-        for i, block in enumerate(self.blk):
-            if block.window not in masks:
-                masks[block.window] = cache[i].mask(length, block.window) if cache else causal_mask(
-                    length, 0, block.window)
-        return masks
+        return {window: cache[i].mask(length, window) if cache else causal_mask(length, 0, window)
+                for window, i in self._first_layer_of_window}
 
     def step(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab]
@@ -405,13 +453,14 @@ class DecodeStep(Protocol):
         """Whether this step is the fast way to decode `rows` sequences of one cache at once."""
 
 
-class CompiledStep:
-    """The plain MLX decode step, compiled.
+class PlainStep:
+    """The plain MLX decode step: the forward pass over what the cache holds, for any number of rows.
 
-    The step reads and writes the cache's whole fixed-size buffers (cache.SlotCache), so its shapes
-    stay the same from token to token and one traced graph, with its element-wise operations fused,
-    serves every step until the buffers grow (every cache.GROWTH_STEP positions). An empty cache
-    and a BatchKVCache (rows of different lengths, batching.py) go through the plain forward pass.
+    It is not compiled. A compiled step (mx.compile over the cache's fixed-size buffers, this
+    project's step until November 2026) had to attend over every slot of those buffers under a
+    mask, which MLX's CUDA backend runs as five kernels instead of its fused one, and copied each
+    cache buffer every step; measured side by side it was slower than this forward pass on an
+    H100 and no faster on the CPU (docs/benchmarks.md, "The plain step against mlx-lm").
     It holds the model weakly: a model that held a function holding the model would live until
     Python's cycle collector ran, keeping its weights in memory.
     """
@@ -419,32 +468,13 @@ class CompiledStep:
     uses_kernels = False
 
     def __init__(self, model: Transformer):
-        model_ref = weakref.ref(model)
-        self.model = model_ref
-        self._compiled = mx.compile(lambda *args: _step(model_ref(), *args))
+        self.model = weakref.ref(model)
 
     def takes(self, rows: int) -> bool:
-        # Several rows compile too, but ran 15% slower than uncompiled at 16 on an H100 (docs/benchmarks.md).
-        return rows == 1
+        return True
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
-        model = self.model()
-        if cache[0].keys is None or not all(type(layer) is KVCache for layer in cache) or quantizes(cache):
-            return model(tokens, cache)[:, -1]  # batches, sliding windows, quantized caches: the plain forward pass
-        for layer in cache:
-            layer.make_room(tokens.shape[1])
-        buffers = [a for layer in cache for a in (layer.keys, layer.values)]
-        logits, *buffers = self._compiled(tokens, mx.array(cache[0].offset), *buffers)
-        for i, layer in enumerate(cache):
-            layer.keys, layer.values = buffers[2 * i], buffers[2 * i + 1]
-            layer.advance(tokens.shape[1])
-        return logits
-
-
-def _step(model: Transformer, tokens: mx.array, position: mx.array, *buffers: mx.array) -> list[mx.array]:
-    slots = [SlotCache(k, v, position) for k, v in zip(buffers[::2], buffers[1::2])]
-    logits = model(tokens, slots)[:, -1]
-    return [logits] + [a for layer in slots for a in (layer.keys, layer.values)]
+        return self.model()(tokens, cache)[:, -1]
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:

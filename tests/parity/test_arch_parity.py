@@ -222,7 +222,7 @@ def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
             chosen = mx.argpartition(-probs, kth=c.n_experts_used - 1, axis=-1)[..., : c.n_experts_used]
             weights = mx.take_along_axis(probs, chosen, axis=-1)
             h = x[..., None, None, :]
-            h = block._activation(block.ffn_gate_exps(h, chosen)) * block.ffn_up_exps(h, chosen)
+            h = block._gated(block.ffn_gate_exps(h, chosen), block.ffn_up_exps(h, chosen))
             return (block.ffn_down_exps(h, chosen)[..., 0, :] * weights[..., None]).sum(axis=-2)
         used = 1 if wrong == "one expert" else c.n_experts
         object.__setattr__(c, "n_experts_used", used)

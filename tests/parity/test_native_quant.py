@@ -83,10 +83,11 @@ def test_native_model_uses_quantized_layers_per_tensor_type():
     m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     layers = dict(m.model.named_modules())
     assert isinstance(layers["token_embd"], BlockEmbedding)
-    # Q/K/V and gate/up are Q4_K and fused (fusion.py); layer 2's attn_v is Q6_K, so its three stay apart.
+    # Q/K/V and gate/up are Q4_K and fused (fusion.py); layer 2's attn_v is Q6_K, so Q and K stack without it.
     assert isinstance(layers["blk.0.attn_qkv"], NativeLinear) and layers["blk.0.attn_qkv"].bits == 4
     assert layers["blk.0.attn_qkv"].weight.shape[0] == 256 + 2 * 64 and "attn_q" not in layers["blk.0"]
-    assert layers["blk.2.attn_v"].bits == 8 and layers["blk.2.attn_q"].bits == 4 and "attn_qkv" not in layers["blk.2"]
+    assert layers["blk.2.attn_v"].bits == 8 and layers["blk.2.attn_qk"].bits == 4 and "attn_qkv" not in layers["blk.2"]
+    assert layers["blk.2.attn_qk"].weight.shape[0] == 256 + 64 and "attn_q" not in layers["blk.2"]
     assert isinstance(layers["blk.2.ffn_gate_up"], NativeLinear)
     assert layers["output"].bits == 8 and "biases" not in layers["output"]  # Q6_K in this mix: symmetric
     dense = dict(mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True).model.named_modules())

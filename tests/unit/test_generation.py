@@ -58,9 +58,9 @@ def test_incremental_decoding_matches_one_full_forward_pass():
     incremental = np.concatenate([np.array(s) for s in steps])
     np.testing.assert_allclose(incremental, full, atol=logit_tolerance(), rtol=0)
 
-def test_compiled_step_matches_the_full_pass_across_buffer_growth_and_trim():
-    """Transformer.step attends over whole fixed-size buffers under a mask; it must see exactly the
-    cached positions: when the buffers grow (position 256), and after a trim leaves stale slots."""
+def test_the_decode_step_matches_the_full_pass_across_buffer_growth_and_trim():
+    """Transformer.step must attend over exactly the cached positions: when the cache's buffers
+    grow (position 256), and after a trim leaves stale slots past the offset."""
     m = chat_tiny()
     rng = np.random.default_rng(0)
     ids = [1] + rng.integers(3, m.config.vocab_size, size=259).tolist()
@@ -263,7 +263,7 @@ def test_empty_prompt_is_a_clear_error():
 
 
 def test_a_model_that_has_generated_is_freed_when_dropped():
-    """Without waiting for Python's cycle collector: the compiled step must not keep its model
+    """Without waiting for Python's cycle collector: the decode step must not keep its model
     (and so the weights) alive, or the next load's memory figures and peak include the old one."""
     gc.disable()
     try:
