@@ -29,6 +29,7 @@ from .gguf_file import open_gguf
 from .runtime import Runtime, load
 from .sampling import SamplingParams, make_sampler
 from .speculative import Speculation
+from .step_cost import launches, weight_bytes_per_step
 
 
 @dataclass
@@ -39,6 +40,10 @@ class TestResult:
     n_gen: int
     samples: list[float]  # tokens/s of each repetition
     depth: int = 0  # positions a sequence's cache held before the timed part
+    # tg: what one decode step costs (step_cost.py): kernels launched, by primitive, and the host's
+    # microseconds to build and queue it (the median over the timed steps)
+    launches: dict[str, int] = field(default_factory=dict)
+    host_us: list[float] = field(default_factory=list)  # each repetition's
 
     @property
     def median(self) -> float:
@@ -63,6 +68,7 @@ class BenchReport:
     run_peak_bytes: int  # peak MLX memory over the tests (weights, cache, activations)
     kv_cache: str = "unquantized"  # or the --kv-* settings
     kv_bytes_per_position: int = 0  # a sequence's keys and values of every layer for one position
+    step_weight_bytes: int = 0  # weight bytes a decode step reads, for all its rows (step_cost.py)
     tests: list[TestResult] = field(default_factory=list)
     speculation: list[dict] = field(default_factory=list)  # drafted and accepted, a speculative run each
     # Under mlx.launch: how the model is split ("tensor x2", "pipeline x2") and each rank's memory:
@@ -75,7 +81,9 @@ class BenchReport:
         out["weight_ratio"] = self.weight_bytes / self.tensor_bytes
         out["load_peak_ratio"] = self.load_peak_bytes / self.tensor_bytes
         out["tests"] = [
-            {**asdict(t), "tokens_per_second": t.median, "stdev": t.stdev, "min": min(t.samples), "max": max(t.samples)}
+            {**asdict(t), "tokens_per_second": t.median, "stdev": t.stdev, "min": min(t.samples), "max": max(t.samples),
+             **({"launches_per_step": sum(t.launches.values()), "host_us_per_step": statistics.median(t.host_us)}
+                if t.launches else {})}
             for t in self.tests
         ]
         return out
@@ -115,24 +123,62 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
     return time.perf_counter() - start
 
 
-def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0) -> float:
-    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each."""
+def decode_step(runtime: Runtime, batch: int):
+    """The step that decodes `batch` sequences: the CUDA kernels (mlxllama.cuda) where they take
+    this many, as generate and batch decode then; else one sequence through the model's step and
+    several through the forward pass, as batch decodes them without kernels."""
     model = runtime.model
-    cache = runtime.model.make_cache()
-    token = mx.argmax(feed(runtime, cache, random_ids(runtime, batch, depth + 1, seed)), axis=-1)[:, None]
-    # Through the CUDA kernels (mlxllama.cuda) where they take this many sequences, as generate and
-    # batch decode then; else one sequence through the compiled step and several uncompiled, as
-    # batch decodes them without kernels: on an H100 the compiled step was 15% slower at 16
-    # sequences (docs/benchmarks.md).
-    step = model.step if model.decode_step.takes(batch) else (lambda tokens, kv: model(tokens, kv)[:, -1])
+    return model.step if model.decode_step.takes(batch) else (lambda tokens, kv: model(tokens, kv)[:, -1])
+
+
+def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0,
+                    host: list[float] | None = None, cache: list | None = None) -> float:
+    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each; the
+    host's seconds a step appended to `host` as (building the step's graph, handing it to the device:
+    on a GPU, launching its kernels). A `cache`
+    given already holds the `depth` positions (a benchmark that repeats a deep test fills it once),
+    and is cut back to them afterwards."""
+    if cache is None:
+        cache, ids = runtime.model.make_cache(), random_ids(runtime, batch, depth + 1, seed)
+    else:
+        ids = random_ids(runtime, batch, 1, seed)
+    token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
+    step = decode_step(runtime, batch)
+    built = queued = 0.0
     start = time.perf_counter()
     for _ in range(n_gen):
+        begin = time.perf_counter()
         next_token = mx.argmax(step(token, cache), axis=-1)[:, None]
+        graph = time.perf_counter()
         mx.async_eval(next_token)
+        built, queued = built + graph - begin, queued + time.perf_counter() - graph
         token.tolist()  # the host takes each token while the next step runs, as generate_tokens does
         token = next_token
     token.tolist()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    for layer in cache:
+        layer.trim(layer.offset - depth)
+    if host is not None:
+        host.append((built / n_gen, queued / n_gen))
+    return seconds
+
+
+def step_launches(runtime: Runtime, batch: int, depth: int, cache: list | None = None) -> dict[str, int]:
+    """The kernels one decode step of `batch` sequences launches after `depth` + 1 ids (step_cost.launches);
+    a `cache` as time_generation takes it."""
+    if cache is None:
+        cache, ids = runtime.model.make_cache(), random_ids(runtime, batch, depth + 1, 0)
+    else:
+        ids = random_ids(runtime, batch, 1, 0)
+    token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
+    step = decode_step(runtime, batch)
+    mx.eval(step(token, cache))  # the first step after a prefill may take another path (an empty compiled cache)
+    outputs = [mx.argmax(step(token, cache), axis=-1)] + [a for layer in cache for a in layer.state]
+    counted = launches(outputs)
+    mx.eval(outputs)
+    for layer in cache:
+        layer.trim(layer.offset - depth)
+    return dict(counted.most_common())
 
 
 def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | None = None,
@@ -184,6 +230,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         kv_cache=kv_label(runtime.model.kv_quantization),
         kv_bytes_per_position=kv_bytes_per_position(runtime.config, runtime.model.compute_dtype,
                                                     runtime.model.kv_quantization),
+        step_weight_bytes=weight_bytes_per_step(runtime.model),
     )
     mx.reset_peak_memory()
     if constraint is not None:
@@ -200,7 +247,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
                           lambda seed, d=d: n_prompt / time_prompt(runtime, n_prompt, seed, d)))
         for b in batches if n_gen else ():
             tests.append((f"tg{n_gen}{at}", b, 0, n_gen, d,
-                          lambda seed, b=b, d=d: b * n_gen / time_generation(runtime, b, n_gen, seed, d)))
+                          lambda seed, b=b, d=d, host=None: b * n_gen / time_generation(runtime, b, n_gen, seed, d, host)))
     if n_gen and constraint is not None:
         for name, used in ((f"tg{n_gen} loop", None), (f"tg{n_gen} constrained", constraint)):
             tests.append((name, 1, 0, n_gen, 0, lambda seed, used=used: rate(time_loop(runtime, n_gen, seed, used))))
@@ -221,7 +268,15 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         tests.append((f"tg{n_gen} speculative", 1, 0, n_gen, 0, speculative))
     for name, batch, pp, tg, depth, measure in tests:
         measure(repetitions)  # warm-up, on ids no timed run uses
-        report.tests.append(TestResult(name, batch, pp, tg, [measure(seed) for seed in range(repetitions)], depth))
+        result = TestResult(name, batch, pp, tg, [], depth)
+        if name == f"tg{n_gen}" or name.startswith(f"tg{n_gen} @"):  # the decode steps bench times itself
+            host = []
+            result.samples = [measure(seed, host=host) for seed in range(repetitions)]
+            result.host_us = [(built + queued) * 1e6 for built, queued in host]
+            result.launches = step_launches(runtime, batch, depth)
+        else:
+            result.samples = [measure(seed) for seed in range(repetitions)]
+        report.tests.append(result)
     report.run_peak_bytes = mx.get_peak_memory() - held_before
     shard = runtime.model.shard
     if shard is not None:
@@ -255,12 +310,13 @@ def format_table(report: BenchReport) -> str:
     """A llama-bench-like markdown table, then load time and memory."""
     gib = report.tensor_bytes / 2**30
     size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
-    rows = ["| model | size | params | mode | device | test | batch | t/s |",
-            "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |"]
+    rows = ["| model | size | params | mode | device | test | batch | t/s | launches/step | host µs/step |",
+            "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for t in report.tests:
+        cost = f"{sum(t.launches.values())} | {statistics.median(t.host_us):.0f}" if t.launches else " | "
         rows.append(
             f"| {report.model} | {size} | {report.params / 1e9:.2f} B | {report.mode} | {report.device} | {t.name} "
-            f"| {t.batch} | {t.median:.2f} ± {t.stdev:.2f} |"
+            f"| {t.batch} | {t.median:.2f} ± {t.stdev:.2f} | {cost} |"
         )
     mib = 2**20
     rows += [
@@ -270,6 +326,8 @@ def format_table(report: BenchReport) -> str:
         f"(peak while loading {report.load_peak_bytes / report.tensor_bytes:.3f} x); "
         f"peak during the tests: {report.run_peak_bytes / mib:.1f} MiB; KV cache ({report.kv_cache}): "
         f"{report.kv_bytes_per_position / 1024:.1f} KiB a position of a sequence" + (" on rank 0" if report.ranks else ""),
+        f"a decode step reads {report.step_weight_bytes / mib:.1f} MiB of weights (for all its rows); launches/step:"
+        f" the primitives of its graph on this device, views left out (docs/benchmarks.md)",
     ]
     if report.ranks:
         rows += ["", f"split: {report.parallel} (tokens/s above are the whole run's, as every rank takes part)",

@@ -11,8 +11,11 @@ from click.testing import CliRunner
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 import mlxllama
+from mlx.utils import tree_flatten
+
 from mlxllama import synthetic
 from mlxllama.cli import main
+from mlxllama.cli_options import default_model_path
 
 
 def run_bench(*args: str) -> dict:
@@ -33,6 +36,24 @@ def test_bench_json_reports_each_test_and_memory():
     # The bundled Q4_K_M model, run quantized: Q4_K at 5 bits, Q6_K at 8.5 bits, the embedding as stored.
     assert 1.0 < report["weight_ratio"] < 1.25
     assert report["run_peak_bytes"] >= report["weight_bytes"] * 0.9
+
+
+def test_bench_reports_what_a_decode_step_costs():
+    report = run_bench("-b", "1,2", "-r", "2")
+    runtime = mlxllama.load(default_model_path())
+    layers = runtime.config.n_layers
+    pp, tg1, tg2 = report["tests"]
+    assert "launches_per_step" not in pp and pp["launches"] == {}
+    for tg in (tg1, tg2):
+        # Counted from the step's graph: its products are the model's projections, stacked as
+        # fusion.py stacks them (chat-tiny: Q/K/V or Q/K, gate/up, the output and down: 4 or 5 a
+        # layer), and the head's.
+        assert tg["launches_per_step"] == sum(tg["launches"].values())
+        assert 4 * layers + 1 <= tg["launches"]["QuantizedMatmul"] <= 5 * layers + 1
+        assert len(tg["host_us"]) == 2 and all(us > 0 for us in tg["host_us"])
+    # Every weight but the untied token table's, which a step only looks up.
+    held = sum(a.nbytes for name, a in tree_flatten(runtime.model.parameters()) if not name.startswith("token_embd"))
+    assert report["step_weight_bytes"] == held
 
 
 def test_bench_dequantize_holds_float_weights():
