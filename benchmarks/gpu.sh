@@ -2,7 +2,7 @@
 # MLX's CUDA build on a lent GPU machine (the workplace's device tool), in a few calls; docs/benchmarks.md
 # and docs/maintaining.md give the calls in order.
 #
-#   bash benchmarks/gpu.sh payload [--llama-cpp] [--gemma] [--fixtures]
+#   bash benchmarks/gpu.sh payload [--llama-cpp] [--gemma] [--fixtures] [--mlx-lm]
 #                                                 # here: .whl/p1.. (git-ignored): MLX 0.32.4 for CUDA 13 and the
 #                                                 # gguf, starlette and uvicorn wheels (the rest is
 #                                                 # in the machine's image), xz-compressed and split in parts of what 64 MiB less the tree leaves, so that
@@ -12,7 +12,8 @@
 #                                                 # (scripts/gemma3_270m.py fetch) as .whl/g1 ..; --fixtures tests/fixtures'
 #                                                 # models as .whl/f1 .., which install puts where tests look for
 #                                                 # ../shared's (for a tree that leaves tests/fixtures behind:
-#                                                 # docs/maintaining.md, "The GPU machine")
+#                                                 # docs/maintaining.md, "The GPU machine"); --mlx-lm mlx-lm's
+#                                                 # wheel (benchmarks/versus_mlx_lm.py's) as .whl/m1, carried beside p1
 #   bash benchmarks/gpu.sh stash .whl/pN          # there, one call a part: keep it in $GPU_WORK; the last part
 #                                                 # of llama.cpp's source also starts building it in the background
 #   bash benchmarks/gpu.sh install .whl/pLAST     # there, the last part: unpack MLX and gguf, write the
@@ -35,6 +36,9 @@
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
+#   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
+#                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
+#                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
 #
 # The calls must follow each other while the machine is warm (it is given back 30 s after a call).
 # Every command there runs with PYTHONPATH=$GPU_WORK/site; results are written under $OUT when set.
@@ -102,6 +106,8 @@ payload() {
             --gemma) name=gemma source=${MLXLLAMA_GEMMA3_270M:-$HOME/.cache/mlxllama/gemma-3-270m-Q4_K_M.gguf}
                      cp "$source" "$tmp/gemma.bin" ;;
             --fixtures) name=fixtures; tar cf "$tmp/fixtures.bin" -C tests/fixtures $(cd tests/fixtures && ls *.gguf) ;;
+            --mlx-lm) rm -rf .whl/m1; mkdir -p .whl/m1
+                      python3 -m pip download -q --no-deps -d .whl/m1 mlx-lm==0.32.2; continue ;;
             *) continue ;;
         esac
         rm -rf ".whl/${name:0:1}"[0-9]*
@@ -114,8 +120,9 @@ payload() {
 }
 
 stash() {
-    mkdir -p "$work"
+    mkdir -p "$work/site"
     cp "$1"/*.part* "$1"/llama.parts "$work/" 2> /dev/null
+    for wheel in "$1"/*.whl; do [ -f "$wheel" ] && python3 -m zipfile -e "$wheel" "$work/site"; done
     if [ -f "$1/llama.parts" ] && [ "$(ls "$work"/llama.part?? | wc -l)" = "$(cat "$work/llama.parts")" ]; then
         cat "$work"/llama.part?? | tar xJ -C "$work"
         setsid nohup bash benchmarks/build_llama_cpp.sh "$work/llama.cpp" "$work/llama-build" \
@@ -147,7 +154,10 @@ run_tests() {
         for f in ../shared/fixtures/models/*.gguf; do ln -sf "$(realpath "$f")" tests/fixtures/; done
     fi
     log the suite on the GPU
-    python3 -m pytest -q -p no:cacheprovider -rfE "$@" 2>&1 | grep -v "^E  \|^    \|^$" | tail -40
+    # Into a file under $OUT first: a run cut off by the call's time limit still brings back what it printed.
+    mkdir -p "$out"
+    python3 -m pytest -q -p no:cacheprovider -rfE "$@" > "$out/pytest.log" 2>&1
+    grep -v "^E  \|^    \|^$" "$out/pytest.log" | tail -40
 }
 
 bench() {
@@ -324,6 +334,20 @@ print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t
     fi
 }
 
+versus() {  # the plain MLX step against mlx-lm's loop (#22), in one process; then its launches in a CUDA trace
+    mkdir -p "$out"
+    local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf
+    [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
+    log "benchmarks/versus_mlx_lm.py $*"
+    MLXLLAMA_CUDA_KERNELS=0 timeout 500 python3 benchmarks/versus_mlx_lm.py "$deep" --json "$out/versus-mlx-lm.json" "$@"
+    local step
+    for step in model-step mlx-lm; do
+        log "kernel trace: $step"
+        MLXLLAMA_CUDA_KERNELS=0 timeout 90 python3 benchmarks/kernel_trace.py "$deep" $([ $step = model-step ] || echo --$step) \
+            --json "$out/kernel-trace-$step.json" | sed -n 6,10p
+    done
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
@@ -335,5 +359,6 @@ case ${1:-} in
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
     kv) kv_depth ;;
-    *) sed -n '2,23p' "$0"; exit 2 ;;
+    versus) shift; versus "$@" ;;
+    *) sed -n '2,26p' "$0"; exit 2 ;;
 esac

@@ -1,10 +1,11 @@
 """The device kernels of decode steps, as CUPTI records them (through PyTorch's profiler, which the GPU machine has).
 
-    python benchmarks/kernel_trace.py MODEL.gguf [--context 512] [--steps 20] [--json OUT]
+    python benchmarks/kernel_trace.py MODEL.gguf [--context 512] [--steps 20] [--mlx-lm] [--json OUT]
 
 Prints kernels per step, the device's busy time per step (the sum of kernel durations) against
 the wall time per step, and the kernels that take the most time. Run it with
-MLXLLAMA_CUDA_KERNELS=0 to see the plain step.
+MLXLLAMA_CUDA_KERNELS=0 to see the plain step, and with --mlx-lm to see mlx-lm's step on a model of
+the file's shape (benchmarks/versus_mlx_lm.py's).
 """
 
 from __future__ import annotations
@@ -29,19 +30,28 @@ def main():
     parser.add_argument("model")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--mlx-lm", action="store_true")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     runtime = mlxllama.load(args.model)
     model = runtime.model
-    cache = runtime.model.make_cache()
-    mx.eval(model(mx.array([[1] * args.context]), cache))
+    if args.mlx_lm:
+        from versus_mlx_lm import MlxLm
+
+        theirs = MlxLm(runtime.config, model.compute_dtype)
+        cache = theirs.make_cache()
+        step = lambda tokens, kv: theirs.model(tokens, cache=kv)[:, -1]  # noqa: E731
+    else:
+        cache = model.make_cache()
+        step = model.step
+    mx.eval(step(mx.array([[1] * args.context]), cache))
     token = mx.array([[1]])
 
     def decode(steps: int) -> None:
-        out = model.step(token, cache)
+        out = step(token, cache)
         mx.async_eval(out)
         for _ in range(steps - 1):
-            nxt = model.step(token, cache)
+            nxt = step(token, cache)
             mx.async_eval(nxt)
             mx.eval(out)
             out = nxt
@@ -68,9 +78,10 @@ def main():
         counts[e["name"][:90]] += 1 / args.steps
     result = {
         "model": args.model, "kernels": model.decode_step.uses_kernels, "context": args.context,
+        "step": "mlx-lm" if args.mlx_lm else "model.step",
         "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
         "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
-        "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(15)],
+        "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(40)],
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, find_fixture_model
 
@@ -45,3 +48,25 @@ def test_moe_prefill_times_both_orders_of_the_same_products(tmp_path):
     # The same products in another order: equal up to float32 rounding (both run on the CPU here).
     assert all(r["largest_difference"] < 1e-5 and r["token_order_s"] > 0 < r["expert_order_s"] for r in report["rows"])
     assert "| 40 | 80 |" in table
+
+
+def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launches(tmp_path):
+    out = tmp_path / "versus.json"
+    table = run_script("benchmarks/versus_mlx_lm.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "-p", "16",
+                       "-n", "4", "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    rows = [(r["test"], r["batch"], r["depth"]) for r in report["rows"]]
+    assert rows == [("pp16", 1, 0)] + [("tg4", b, d) for d in (0, 8) for b in (1, 2)]
+    for r in report["rows"]:
+        assert len(r["ours"]) == len(r["mlx_lm"]) == 2
+        assert r["ratio"] == pytest.approx(statistics.median(r["ours"]) / statistics.median(r["mlx_lm"]))
+        assert r["spread"][0] <= r["ratio"] <= r["spread"][1]
+        if r["test"] == "tg4":
+            # mlx-lm's Llama launches a product per projection (7 a layer) and the head's.
+            assert r["mlx_lm_launches"] > 7 * 6 and r["ours_launches"] > 0
+            assert all(us > 0 for us in r["ours_host_us"])
+            # One sequence goes through mlx-lm's generate_step, whose host time is not visible from outside.
+            assert r["mlx_lm_host_us"] is None if r["batch"] == 1 else all(us > 0 for us in r["mlx_lm_host_us"])
+    # Our file holds Q4_K at 5 bits and Q6_K at 8.5, mlx-lm's random weights 4 bits and a half.
+    assert report["ours_weight_bytes"] > report["mlx_lm_weight_bytes"] > 0
+    assert "| tg4 | 2 | 8 |" in table

@@ -1,0 +1,247 @@
+"""The plain MLX decode step against mlx-lm's loop, side by side in one process: the path Apple
+Silicon runs, on whatever device this runs on.
+
+    pip install --no-deps mlx-lm==0.32.2
+    MLXLLAMA_CUDA_KERNELS=0 python benchmarks/versus_mlx_lm.py MODEL.gguf [-n 128] [-p 512]
+        [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--json OUT]
+
+Ours: `mlxllama bench`'s prefill and decode loops on the GGUF file as it loads (native mode). mlx-lm:
+its `models.llama.Model` of the same shape, random weights in MLX's 4-bit format of group 64 (what
+mlx-lm's converter writes by default) in our compute type (float16 on a GPU), one sequence through its `generate_step` (greedy, as it
+decodes), several through the same pipelined loop around its model and cache. mlx-lm's model code is
+imported without its Hugging Face parts: stand-ins take the place of `transformers` and
+`huggingface_hub` where they are not installed, and nothing of them is called.
+
+For each test, each engine's cache is filled to the depth once (and cut back to it after every run);
+then the engines run in turn, --rounds times, which goes first alternating. The table gives the
+median of the rounds and the ratio of the medians (ours / mlx-lm) with its spread (slowest ours over
+fastest mlx-lm, fastest over slowest). It also gives what a Mac's speed follows: each step's launches
+(mlxllama.step_cost) and the host's time to build and queue it, and the weights each engine holds.
+Random weights make the speeds real and the text meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import types
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxllama import bench, load
+from mlxllama.generate import PREFILL_CHUNK
+from mlxllama.step_cost import launches
+
+
+def import_mlx_lm():
+    """mlx_lm.generate.generate_step and mlx_lm.models.{llama, cache}, without running mlx_lm's
+    __init__ (which loads its converter) and with stand-ins for Hugging Face's packages if absent."""
+
+    class Anything(type):
+        def __getattr__(cls, name):
+            return lambda *args, **kwargs: None
+
+    def stand_in(name: str) -> None:
+        module = types.ModuleType(name)
+        module.__path__ = []
+        module.__getattr__ = lambda attr: Anything(attr, (), {})
+        sys.modules[name] = module
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None:
+        sys.exit("mlx-lm is not installed: pip install --no-deps mlx-lm==0.32.2")
+    if "mlx_lm" not in sys.modules:
+        package = types.ModuleType("mlx_lm")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["mlx_lm"] = package
+    for name in ("transformers", "huggingface_hub"):
+        if importlib.util.find_spec(name) is None:
+            stand_in(name)
+            if name == "transformers":
+                stand_in("transformers.tokenization_utils_base")
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import cache, llama
+    return generate_step, llama, cache
+
+
+class MlxLm:
+    """mlx-lm's Llama of the GGUF file's shape, 4-bit group 64, random weights."""
+
+    def __init__(self, config, dtype: mx.Dtype, seed: int = 0):
+        self.generate_step, llama, cache = import_mlx_lm()
+        self.make_cache = lambda: cache.make_prompt_cache(self.model)
+        args = llama.ModelArgs(
+            model_type="llama", hidden_size=config.hidden_size, num_hidden_layers=config.n_layers,
+            intermediate_size=config.ffn_size, num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+            head_dim=config.head_dim, rms_norm_eps=config.rms_eps, vocab_size=config.vocab_size,
+            rope_theta=config.rope_base, tie_word_embeddings=config.tied_output,
+            max_position_embeddings=config.context_length)
+        mx.random.seed(seed)
+        self.model = llama.Model(args)  # MLX's layers start from random weights
+        self.model.set_dtype(dtype)  # as mlx-lm loads a model: in its (half-precision) type
+        nn.quantize(self.model, group_size=64, bits=4)
+        mx.eval(self.model.parameters())
+        self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+        self.vocab = config.vocab_size
+
+    def feed(self, cache, ids: mx.array) -> mx.array:
+        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+            logits = self.model(ids[:, start : start + PREFILL_CHUNK], cache=cache)
+            mx.eval(logits, [c.state for c in cache])
+        return logits[:, -1]
+
+    def time_prompt(self, n_prompt: int, seed: int) -> float:
+        ids = random_ids(self.vocab, 1, n_prompt, seed)
+        cache = self.make_cache()
+        start = time.perf_counter()
+        self.feed(cache, ids)
+        return time.perf_counter() - start
+
+    def prefilled(self, batch: int, depth: int, seed: int = 0) -> list:
+        """A cache holding `depth` random ids of each of `batch` rows."""
+        cache = self.make_cache()
+        if depth:
+            self.feed(cache, random_ids(self.vocab, batch, depth, seed))
+        return cache
+
+    def time_generation(self, cache: list, batch: int, n_gen: int, seed: int, depth: int, host: list[float],
+                        generate_step: bool = True) -> float:
+        """As bench.time_generation, on a cache holding `depth` positions, cut back to them afterwards;
+        one sequence through generate_step unless told otherwise."""
+        ids = random_ids(self.vocab, batch, 1, seed)
+        if batch == 1 and generate_step:  # mlx-lm's own loop: it feeds the id, then decodes one token ahead of the host
+            tokens = self.generate_step(ids[0], self.model, max_tokens=n_gen + 1, prompt_cache=cache)
+            next(tokens)
+            start = time.perf_counter()
+            for _ in tokens:
+                pass
+            seconds = time.perf_counter() - start
+            host.append((float("nan"), float("nan")))  # generate_step's host part is not separable from outside
+        else:
+            token = mx.argmax(self.feed(cache, ids), axis=-1)[:, None]
+            built = queued = 0.0
+            start = time.perf_counter()
+            for _ in range(n_gen):
+                begin = time.perf_counter()
+                next_token = mx.argmax(self.model(token, cache=cache)[:, -1], axis=-1)[:, None]
+                graph = time.perf_counter()
+                mx.async_eval(next_token)
+                built, queued = built + graph - begin, queued + time.perf_counter() - graph
+                token.tolist()
+                token = next_token
+            token.tolist()
+            seconds = time.perf_counter() - start
+            host.append((built / n_gen, queued / n_gen))
+        for c in cache:
+            c.trim(c.offset - depth)
+        return seconds
+
+    def step_launches(self, cache: list, batch: int, depth: int) -> int:
+        token = mx.argmax(self.feed(cache, random_ids(self.vocab, batch, 1, 0)), axis=-1)[:, None]
+        buffers = [a for c in cache for a in c.state if isinstance(a, mx.array)]  # (keys, values, offset)
+        outputs = [mx.argmax(self.model(token, cache=cache)[:, -1], axis=-1)] + buffers
+        counted = sum(launches(outputs).values())
+        mx.eval(outputs)
+        for c in cache:
+            c.trim(c.offset - depth)
+        return counted
+
+
+def random_ids(vocab: int, batch: int, length: int, seed: int) -> mx.array:
+    return mx.random.randint(0, vocab, (batch, length), key=mx.random.key(seed))
+
+
+def host_us(runs: list[tuple[float, float]]) -> list[float] | None:
+    """The medians of the runs' host µs a step: (building the graph, launching it)."""
+    measured = [run for run in runs if run[0] == run[0]]
+    return [statistics.median(part) * 1e6 for part in zip(*measured)] if measured else None
+
+
+def spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    return min(ours) / max(theirs), max(ours) / min(theirs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("-p", "--n-prompt", type=int, default=512)
+    parser.add_argument("-n", "--n-gen", type=int, default=128)
+    parser.add_argument("--batches", default="1,8,16")
+    parser.add_argument("--depths", default="0,4096,8192")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-generate-step", action="store_true",
+                        help="mlx-lm's one sequence through the loop of its batches, not generate_step (whose host"
+                             " time cannot be split from outside)")
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    depths = [int(d) for d in args.depths.split(",")]
+
+    runtime = load(args.model)
+    ours_bytes = sum(a.nbytes for _, a in tree_flatten(runtime.model.parameters()))
+    theirs = MlxLm(runtime.config, runtime.model.compute_dtype)
+    tests = [("pp", 1, 0)] if args.n_prompt else []
+    tests += [("tg", b, d) for d in depths for b in batches]
+    rows = []
+    for kind, batch, depth in tests:
+        host = {"ours": [], "mlx-lm": []}
+        if kind == "pp":
+            timers = {"ours": lambda seed: args.n_prompt / bench.time_prompt(runtime, args.n_prompt, seed),
+                      "mlx-lm": lambda seed: args.n_prompt / theirs.time_prompt(args.n_prompt, seed)}
+        else:  # each engine's cache is filled to the depth once, and cut back to it after every run
+            ours_cache = runtime.model.make_cache()
+            if depth:
+                bench.feed(runtime, ours_cache, bench.random_ids(runtime, batch, depth, 0))
+            theirs_cache = theirs.prefilled(batch, depth)
+            timers = {
+                "ours": lambda seed: batch * args.n_gen / bench.time_generation(
+                    runtime, batch, args.n_gen, seed, depth, host["ours"], ours_cache),
+                "mlx-lm": lambda seed: batch * args.n_gen / theirs.time_generation(
+                    theirs_cache, batch, args.n_gen, seed, depth, host["mlx-lm"], not args.no_generate_step)}
+        for timer in timers.values():  # warm-up: each shape's kernels compile off the clock
+            timer(10_000)
+        for times in host.values():
+            times.clear()
+        samples = {"ours": [], "mlx-lm": []}
+        for round_ in range(args.rounds):
+            for engine in ("ours", "mlx-lm") if round_ % 2 == 0 else ("mlx-lm", "ours"):
+                samples[engine].append(timers[engine](round_))
+        ours, mlx_lm = samples["ours"], samples["mlx-lm"]
+        row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
+               "ours": ours, "mlx_lm": mlx_lm, "ratio": statistics.median(ours) / statistics.median(mlx_lm),
+               "spread": spread(ours, mlx_lm)}
+        if kind == "tg":
+            row["ours_launches"] = sum(bench.step_launches(runtime, batch, depth, ours_cache).values())
+            row["mlx_lm_launches"] = theirs.step_launches(theirs_cache, batch, depth)
+            row["ours_host_us"], row["mlx_lm_host_us"] = host_us(host["ours"]), host_us(host["mlx-lm"])
+        rows.append(row)
+        print(f"{row['test']} b={batch} d={depth}: {statistics.median(ours):.1f} against {statistics.median(mlx_lm):.1f}"
+              " t/s", file=sys.stderr, flush=True)
+        if args.json:  # after every test, so that a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": bench.device_name(), "mlx": mx.__version__, "model": args.model,
+                           "rounds": args.rounds, "ours_weight_bytes": ours_bytes,
+                           "mlx_lm_weight_bytes": theirs.weight_bytes, "rows": rows}, f, indent=1)
+
+    print(f"device: {bench.device_name()}, MLX {mx.__version__}, {args.rounds} rounds; weights held: ours "
+          f"{ours_bytes / 2**20:.0f} MiB, mlx-lm {theirs.weight_bytes / 2**20:.0f} MiB")
+    print("| test | batch | depth | mlxllama t/s | mlx-lm t/s | ratio (spread) | launches/step mlxllama / mlx-lm"
+          " | host µs/step, graph + launch: mlxllama / mlx-lm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    split = lambda us: f"{us[0]:.0f} + {us[1]:.0f}" if us else "–"  # noqa: E731
+    for r in rows:
+        launched = f"{r['ours_launches']} / {r['mlx_lm_launches']}" if "ours_launches" in r else ""
+        hosted = f"{split(r['ours_host_us'])} / {split(r['mlx_lm_host_us'])}" if "ours_host_us" in r else ""
+        print(f"| {r['test']} | {r['batch']} | {r['depth']} | {statistics.median(r['ours']):.1f} "
+              f"| {statistics.median(r['mlx_lm']):.1f} | {r['ratio']:.2f}× ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
+              f" | {launched} | {hosted} |")
+
+
+if __name__ == "__main__":
+    main()
