@@ -3,7 +3,7 @@ backend: the kernels the step launches, and the weight bytes it reads a token.
 
 Launches are counted, not estimated: the primitives of the step's graph as it is evaluated on the
 device at hand (MLX's export_to_dot of its outputs), less those that only view their input and run
-no kernel. A compiled step's fused element-wise chains count one each, as they launch; on the CPU
+no kernel. A compiled function's fused element-wise chain counts once, as it launches; on the CPU
 the fast operations (rms_norm, rope, attention) count as the primitives of their fallbacks. On a
 GPU a profiler trace counts the device's own launches (benchmarks/kernel_trace.py), which a
 library kernel may split further.
