@@ -38,6 +38,7 @@ from .errors import MlxLlamaError, count
 from .files import WriteError, write_text_atomic
 from .generate import check_fits
 from .models import Transformer
+from .models.transformer import residual_add
 from .tokenizer import Tokenizer
 
 DUMP_FORMAT = "mlxllama-trace"
@@ -173,14 +174,14 @@ def _traced_forward(model: Transformer, ids: Sequence[int], cache: list[KVCache]
     It repeats Block.__call__'s two residual additions to see what each adds; the tests check
     that its logits are the model's.
     """
-    h = model.embed(mx.array([list(ids)]))
+    h, h_compute = model.embed(mx.array([list(ids)])), None
     masks = model.masks(len(ids), cache)
     pieces = {"embd": h[0]}
     for i, block in enumerate(model.blk):
-        attn = block.attention_residual(h, masks[block.window], cache[i])
-        h = h + attn
-        mlp = block.mlp_residual(h)
-        h = h + mlp
+        attn = block.attention_residual(h if h_compute is None else h_compute, masks[block.window], cache[i])
+        h, h_compute = residual_add(h, attn)
+        mlp = block.mlp_residual(h_compute)
+        h, h_compute = residual_add(h, mlp)
         pieces.update({f"layer_{i:03d}_attn": attn[0], f"layer_{i:03d}_mlp": mlp[0], f"layer_{i:03d}_resid": h[0]})
     return model.head(h)[0], pieces
 
