@@ -18,10 +18,9 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 from gguf import GGMLQuantizationType
 
-from mlxllama.models.transformer import expert_outputs
+from mlxllama.models.transformer import expert_outputs, swiglu
 from mlxllama.quantized_layers import NativeExperts
 from mlxllama.quants import AFFINE_GROUP_SIZE, AffineWeight
 
@@ -66,7 +65,7 @@ def main() -> None:
     for n in (int(t) for t in args.tokens.split(",")):
         x = (mx.random.normal((n, args.hidden)) * 0.5).astype(dtype)
         chosen = mx.stack([mx.random.permutation(args.experts)[: args.used] for _ in range(n)]).astype(mx.uint32)
-        run = {sort: (lambda sort=sort: expert_outputs(gate, up, down, nn.silu, x, chosen, sort=sort))
+        run = {sort: (lambda sort=sort: expert_outputs(gate, up, down, swiglu, x, chosen, sort=sort))
                for sort in (False, True)}
         difference = mx.abs(run[False]().astype(mx.float32) - run[True]().astype(mx.float32)).max().item()
         plain, ordered = (timed(run[sort], args.repetitions) for sort in (False, True))

@@ -55,7 +55,7 @@ def import_mlx_lm():
 
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None:
-        sys.exit("mlx-lm is not installed: pip install --no-deps mlx-lm==0.32.2")
+        sys.exit("mlx-lm is not installed: pip install -e \".[bench]\" (or pip install --no-deps mlx-lm==0.32.2)")
     if "mlx_lm" not in sys.modules:
         package = types.ModuleType("mlx_lm")
         package.__path__ = list(spec.submodule_search_locations)

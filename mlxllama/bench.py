@@ -40,10 +40,10 @@ class TestResult:
     n_gen: int
     samples: list[float]  # tokens/s of each repetition
     depth: int = 0  # positions a sequence's cache held before the timed part
-    # tg: what one decode step costs (step_cost.py): kernels launched, by primitive, and the host's
-    # microseconds to build and queue it (the median over the timed steps)
+    # tg: what one decode step costs (step_cost.py): the kernels it launches, by primitive, and the
+    # host's microseconds a step to build it and hand it to the device, a figure a repetition
     launches: dict[str, int] = field(default_factory=dict)
-    host_us: list[float] = field(default_factory=list)  # each repetition's
+    host_us: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -123,27 +123,19 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
     return time.perf_counter() - start
 
 
-def decode_step(runtime: Runtime, batch: int):
-    """The step that decodes `batch` sequences: the CUDA kernels (mlxllama.cuda) where they take
-    this many, as generate and batch decode then; else one sequence through the model's step and
-    several through the forward pass, as batch decodes them without kernels."""
-    model = runtime.model
-    return model.step if model.decode_step.takes(batch) else (lambda tokens, kv: model(tokens, kv)[:, -1])
-
-
 def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0,
                     host: list[float] | None = None, cache: list | None = None) -> float:
-    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each; the
+    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each, through
+    the model's step (the CUDA kernels where they take the rows, as generate and batch decode); the
     host's seconds a step appended to `host` as (building the step's graph, handing it to the device:
-    on a GPU, launching its kernels). A `cache`
-    given already holds the `depth` positions (a benchmark that repeats a deep test fills it once),
-    and is cut back to them afterwards."""
+    on a GPU, launching its kernels). A `cache` given already holds the `depth` positions (a
+    benchmark that repeats a deep test fills it once), and is cut back to them afterwards."""
     if cache is None:
         cache, ids = runtime.model.make_cache(), random_ids(runtime, batch, depth + 1, seed)
     else:
         ids = random_ids(runtime, batch, 1, seed)
     token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
-    step = decode_step(runtime, batch)
+    step = runtime.model.step
     built = queued = 0.0
     start = time.perf_counter()
     for _ in range(n_gen):
@@ -171,9 +163,7 @@ def step_launches(runtime: Runtime, batch: int, depth: int, cache: list | None =
     else:
         ids = random_ids(runtime, batch, 1, 0)
     token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
-    step = decode_step(runtime, batch)
-    mx.eval(step(token, cache))  # the first step after a prefill may take another path (an empty compiled cache)
-    outputs = [mx.argmax(step(token, cache), axis=-1)] + [a for layer in cache for a in layer.state]
+    outputs = [mx.argmax(runtime.model.step(token, cache), axis=-1)] + [a for layer in cache for a in layer.state]
     counted = launches(outputs)
     mx.eval(outputs)
     for layer in cache:
