@@ -281,8 +281,6 @@ class Transformer(nn.Module):
         block_config = shard.block_config(config) if shard else config
         group = shard.group if shard and shard.mode == "tensor" else None
         self.blk = [Block(block_config, compute_dtype, i, group) for i in layers]
-        # Each window the layers use, with the first layer that uses it (masks() asks its cache).
-        self._first_layer_of_window = tuple({block.window: i for i, block in reversed(list(enumerate(self.blk)))}.items())
         # How the caches made for this model store keys and values (store_kv_quantized).
         self.kv_quantization: KVQuantization | None = None
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
@@ -347,8 +345,12 @@ class Transformer(nn.Module):
     def masks(self, length: int, cache=None) -> dict[int, object]:
         """The attention mask of `length` new tokens for each window the layers use (0: none),
         from the cache of the first layer with that window."""
-        return {window: cache[i].mask(length, window) if cache else causal_mask(length, 0, window)
-                for window, i in self._first_layer_of_window}
+        masks = {}
+        for i, block in enumerate(self.blk):
+            if block.window not in masks:
+                masks[block.window] = cache[i].mask(length, block.window) if cache else causal_mask(
+                    length, 0, block.window)
+        return masks
 
     def step(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         """One decode step: tokens [batch, 1] after what the cache holds -> logits [batch, vocab]
