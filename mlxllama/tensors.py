@@ -61,11 +61,6 @@ def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype, shape: tuple[int, ...] | N
     return dequantize(tensor.data, qtype, shape).astype(dtype)
 
 
-def weight_dtype(name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.Dtype:
-    """Norm weights stay float32 (they are tiny and scale every activation); the rest take dtype."""
-    return mx.float32 if len(shape) == 1 and not name.endswith(".bias") else dtype
-
-
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
             lookup_only: bool = False, piece: Piece | None = None, requantize: bool = True) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
@@ -92,7 +87,9 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     elif quantized:
         return to_affine(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
     else:
-        weight = tensor_to_mlx(path, tensor, weight_dtype(tensor.name, shape, dtype), shape)
+        # Norm weights too: a float32 weight would make each norm's output float32, and casting it
+        # back is a kernel a norm (models.transformer.RMSNorm).
+        weight = tensor_to_mlx(path, tensor, dtype, shape)
     mx.eval(weight)
     return weight
 

@@ -20,7 +20,6 @@ from mlx.utils import tree_map_with_path
 from .fusion import fuse_block
 from .gguf_file import GGUFFile
 from .models import Architecture, ModelConfig, Transformer
-from .models.transformer import RMSNorm
 from .quantized_layers import quantized_layer
 from .quants import AffineWeight
 from .sharding import Shard
@@ -58,12 +57,6 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         load(part)
         fuse_block(block)
     load(rest)
-    # Norm weights in the compute type: a float32 weight would make each norm's output float32,
-    # and casting it back is a kernel a norm (models.transformer.RMSNorm).
-    for _, norm in model.named_modules():
-        if isinstance(norm, RMSNorm):
-            norm.weight = norm.weight.astype(dtype)
-    mx.eval(model.parameters())
     return model
 
 
