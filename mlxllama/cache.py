@@ -99,7 +99,11 @@ def capacity(buffer: Buffer) -> int:
 
 def slot_range(buffer: Buffer, begin: int, end: int) -> Buffer:
     """Slots begin .. end - 1 of a buffer (a view)."""
-    return kv_map(lambda a: a[..., begin:end, :], buffer)
+    # Written out rather than through kv_map: every layer calls this (and write) each decode step,
+    # and the host's time bounds a step.
+    if isinstance(buffer, tuple):
+        return tuple(a[..., begin:end, :] for a in buffer)
+    return buffer[..., begin:end, :]
 
 
 def allocate(like: Buffer, slots: int, rows: int | None = None) -> Buffer:
@@ -110,7 +114,10 @@ def allocate(like: Buffer, slots: int, rows: int | None = None) -> Buffer:
 
 def write(buffer: Buffer, slot: int, new: Buffer) -> None:
     """Put `new` into the buffer from `slot` on, in place."""
-    for a, b in zip(kv_arrays(buffer), kv_arrays(new)):
+    if not isinstance(buffer, tuple):
+        buffer[..., slot : slot + new.shape[2], :] = new
+        return
+    for a, b in zip(buffer, new):
         a[..., slot : slot + b.shape[2], :] = b
 
 
@@ -180,15 +187,7 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
-        end = self.offset + new
-        if self.quantization is None and self.keys is not None and end <= self.keys.shape[2]:
-            # A decode step's case, written out: plain buffers with room. The general path's helpers
-            # cost a layer some microseconds of the host's time a step, and the host bounds a step.
-            self.keys[..., self.offset : end, :] = keys
-            self.values[..., self.offset : end, :] = values
-            self.offset = end
-            return self.keys[..., :end, :], self.values[..., :end, :]
-        keys, values = self._stored(keys, values, end)
+        keys, values = self._stored(keys, values, self.offset + new)
         if self.keys is None or self.offset + new > capacity(self.keys):
             self._grow(keys, values, new)
         write(self.keys, self.offset, keys)
