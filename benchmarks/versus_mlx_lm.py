@@ -110,7 +110,7 @@ class MlxLm:
             self.feed(cache, random_ids(self.vocab, batch, depth, seed))
         return cache
 
-    def time_generation(self, cache: list, batch: int, n_gen: int, seed: int, depth: int, host: list[float],
+    def time_generation(self, cache: list, batch: int, n_gen: int, seed: int, depth: int, host: list[tuple],
                         generate_step: bool = True) -> float:
         """As bench.time_generation, on a cache holding `depth` positions, cut back to them afterwards;
         one sequence through generate_step unless told otherwise."""
@@ -125,21 +125,8 @@ class MlxLm:
             host.append((float("nan"), float("nan")))  # generate_step's host part is not separable from outside
         else:
             token = mx.argmax(self.feed(cache, ids), axis=-1)[:, None]
-            built = queued = 0.0
-            start = time.perf_counter()
-            for _ in range(n_gen):
-                begin = time.perf_counter()
-                next_token = mx.argmax(self.model(token, cache=cache)[:, -1], axis=-1)[:, None]
-                graph = time.perf_counter()
-                mx.async_eval(next_token)
-                built, queued = built + graph - begin, queued + time.perf_counter() - graph
-                token.tolist()
-                token = next_token
-            token.tolist()
-            seconds = time.perf_counter() - start
-            host.append((built / n_gen, queued / n_gen))
-        for c in cache:
-            c.trim(c.offset - depth)
+            seconds = bench.time_steps(lambda tokens: self.model(tokens, cache=cache)[:, -1], token, n_gen, host)
+        bench.cut_back(cache, depth)
         return seconds
 
     def step_launches(self, cache: list, batch: int, depth: int) -> int:
@@ -148,8 +135,7 @@ class MlxLm:
         outputs = [mx.argmax(self.model(token, cache=cache)[:, -1], axis=-1)] + buffers
         counted = sum(launches(outputs).values())
         mx.eval(outputs)
-        for c in cache:
-            c.trim(c.offset - depth)
+        bench.cut_back(cache, depth)
         return counted
 
 

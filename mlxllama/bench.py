@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -123,51 +124,65 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
     return time.perf_counter() - start
 
 
-def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0,
-                    host: list[float] | None = None, cache: list | None = None) -> float:
-    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each, through
-    the model's step (the CUDA kernels where they take the rows, as generate and batch decode); the
-    host's seconds a step appended to `host` as (building the step's graph, handing it to the device:
-    on a GPU, launching its kernels). A `cache` given already holds the `depth` positions (a
-    benchmark that repeats a deep test fills it once), and is cut back to them afterwards."""
+def first_token(runtime: Runtime, batch: int, depth: int, seed: int, cache: list | None) -> tuple[list, mx.array]:
+    """A cache holding `depth` + 1 random ids of each of `batch` rows and the greedy token after them
+    [batch, 1]; a `cache` given holds the `depth` positions already, and gets the last id."""
     if cache is None:
         cache, ids = runtime.model.make_cache(), random_ids(runtime, batch, depth + 1, seed)
     else:
         ids = random_ids(runtime, batch, 1, seed)
-    token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
-    step = runtime.model.step
+    return cache, mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
+
+
+def time_steps(step: Callable[[mx.array], mx.array], token: mx.array, n_gen: int,
+               host: list[tuple[float, float]] | None = None) -> float:
+    """Seconds for n_gen greedy decode steps from `token` [rows, 1], `step` giving the logits
+    [rows, vocab] after its tokens. The host takes each token while the next step runs, as
+    generate_tokens does; its seconds a step go to `host` as (building the step's graph, handing
+    it to the device: on a GPU, launching its kernels)."""
     built = queued = 0.0
     start = time.perf_counter()
     for _ in range(n_gen):
         begin = time.perf_counter()
-        next_token = mx.argmax(step(token, cache), axis=-1)[:, None]
+        next_token = mx.argmax(step(token), axis=-1)[:, None]
         graph = time.perf_counter()
         mx.async_eval(next_token)
         built, queued = built + graph - begin, queued + time.perf_counter() - graph
-        token.tolist()  # the host takes each token while the next step runs, as generate_tokens does
+        token.tolist()
         token = next_token
     token.tolist()
     seconds = time.perf_counter() - start
-    for layer in cache:
-        layer.trim(layer.offset - depth)
     if host is not None:
         host.append((built / n_gen, queued / n_gen))
+    return seconds
+
+
+def cut_back(cache: list, depth: int) -> None:
+    """Every layer of the cache back to its first `depth` positions."""
+    for layer in cache:
+        layer.trim(layer.offset - depth)
+
+
+def time_generation(runtime: Runtime, batch: int, n_gen: int, seed: int, depth: int = 0,
+                    host: list[tuple[float, float]] | None = None, cache: list | None = None) -> float:
+    """Seconds for n_gen greedy decode steps of `batch` sequences after `depth` + 1 ids each, through
+    the model's step (the CUDA kernels where they take the rows, as generate and batch decode), the
+    host's time a step going to `host` (time_steps). A `cache` given already holds the `depth`
+    positions (a benchmark that repeats a deep test fills it once), and is cut back to them afterwards."""
+    cache, token = first_token(runtime, batch, depth, seed, cache)
+    seconds = time_steps(lambda tokens: runtime.model.step(tokens, cache), token, n_gen, host)
+    cut_back(cache, depth)
     return seconds
 
 
 def step_launches(runtime: Runtime, batch: int, depth: int, cache: list | None = None) -> dict[str, int]:
     """The kernels one decode step of `batch` sequences launches after `depth` + 1 ids (step_cost.launches);
     a `cache` as time_generation takes it."""
-    if cache is None:
-        cache, ids = runtime.model.make_cache(), random_ids(runtime, batch, depth + 1, 0)
-    else:
-        ids = random_ids(runtime, batch, 1, 0)
-    token = mx.argmax(feed(runtime, cache, ids), axis=-1)[:, None]
+    cache, token = first_token(runtime, batch, depth, 0, cache)
     outputs = [mx.argmax(runtime.model.step(token, cache), axis=-1)] + [a for layer in cache for a in layer.state]
     counted = launches(outputs)
     mx.eval(outputs)
-    for layer in cache:
-        layer.trim(layer.offset - depth)
+    cut_back(cache, depth)
     return dict(counted.most_common())
 
 
