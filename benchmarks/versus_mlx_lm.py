@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxllama import bench, load
+from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import PREFILL_CHUNK
 from mlxllama.step_cost import launches
 
@@ -169,7 +170,12 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     depths = [int(d) for d in args.depths.split(",")]
 
-    runtime = load(args.model)
+    try:
+        runtime = load(args.model)
+        bench.check_fits(runtime, args.n_prompt, args.n_gen, tuple(depths))
+    except MlxLlamaError as e:
+        print(f"versus_mlx_lm.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     ours_bytes = sum(a.nbytes for _, a in tree_flatten(runtime.model.parameters()))
     theirs = MlxLm(runtime.config, runtime.model.compute_dtype)
     tests = [("pp", 1, 0)] if args.n_prompt else []

@@ -124,6 +124,14 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
     return time.perf_counter() - start
 
 
+def check_fits(runtime: Runtime, n_prompt: int, n_gen: int, depths: tuple[int, ...]) -> None:
+    """A one-line error unless pp<n_prompt> and tg<n_gen> at the deepest depth fit the model's context."""
+    context = runtime.config.context_length
+    if max(depths) + max(n_prompt, n_gen + 1) > context:
+        raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} at depth {max(depths)} do not fit the model's context of"
+                            f" {context} tokens")
+
+
 def first_token(runtime: Runtime, batch: int, depth: int, seed: int, cache: list | None) -> tuple[list, mx.array]:
     """A cache holding `depth` + 1 random ids of each of `batch` rows and the greedy token after them
     [batch, 1]; a `cache` given holds the `depth` positions already, and gets the last id."""
@@ -240,10 +248,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     mx.reset_peak_memory()
     if constraint is not None:
         constraint.check(runtime.tokenizer)
-    context = runtime.config.context_length
-    if max(depths) + max(n_prompt, n_gen + 1) > context:
-        raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} at depth {max(depths)} do not fit the model's context of"
-                            f" {context} tokens")
+    check_fits(runtime, n_prompt, n_gen, depths)
     tests = []
     for d in depths:
         at = f" @ d{d}" if d else ""

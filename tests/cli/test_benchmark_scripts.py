@@ -70,3 +70,16 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
     # Our file holds Q4_K at 5 bits and Q6_K at 8.5, mlx-lm's random weights 4 bits and a half.
     assert report["ours_weight_bytes"] > report["mlx_lm_weight_bytes"] > 0
     assert "| tg4 | 2 | 8 |" in table
+
+
+def test_versus_mlx_lm_refuses_depths_past_the_context_in_one_line(tmp_path):
+    # chat-tiny's context is 512: the default depths (to 8,192) do not fit it, nor does a truncated file load.
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(find_fixture_model("chat-tiny-Q4_K_M.gguf").read_bytes()[:300])
+    for model, message in ((find_fixture_model("chat-tiny-Q4_K_M.gguf"), "at depth 8192 do not fit the model's context of 512"),
+                           (truncated, "truncated or corrupt")):
+        result = subprocess.run([sys.executable, "benchmarks/versus_mlx_lm.py", str(model)], cwd=REPO,
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and result.stdout == ""
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0]
