@@ -8,6 +8,14 @@ processes of mlx.launch on 127.0.0.1).
 
 from __future__ import annotations
 
+import os
+
+# float32 products in full float32 on every device: MLX runs them at TF32 precision on CUDA (and on
+# Apple's M5 accelerators) unless told not to, which moved float32 logits by up to 0.02 on an H100
+# and failed bars that compare two float32 computations. Set before anything imports MLX; the
+# commands the tests start inherit it. (MLX's own test harness sets the same.)
+os.environ["MLX_ENABLE_TF32"] = "0"
+
 import socket
 import subprocess
 import sys

@@ -210,7 +210,9 @@ def test_a_wrong_yarn_fails_the_parity_bar(wrong, monkeypatch):
 @pytest.mark.parametrize("wrong", ["not renormalized", "one expert", "every expert"])
 def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
     """Expert weights left as the softmax gave them, or one expert, or all of them, a token: the
-    mixture fixtures' logits leave llama.cpp's by more than three times the bar."""
+    mixture fixtures' logits leave llama.cpp's by twice the bar, and by 20 times what the right
+    router's do. (Mixtral's tiny router leaves little unrenormalized: its mean KL is 3.1 times the
+    bar in float32 and 2.3 times in float16, against the right router's 0.007 and 0.04 times.)"""
     from mlxllama.models.transformer import Block
 
     real = Block.mixture
@@ -234,7 +236,22 @@ def test_a_wrong_router_fails_the_parity_bar(name, wrong, monkeypatch):
     monkeypatch.setattr(Block, "mixture", changed)
     fixture = next(n for n in REFERENCES if n.startswith(name))
     m, ref = mlxllama.load(find_fixture_model(f"{fixture}.gguf"), context_length=REFERENCE_CONTEXT), reference(fixture)
-    assert kl_per_position(ref, "plain", m.logits(ref["plain/ids"].tolist())).mean() > 3 * MAX_MEAN_KL
+    ids = ref["plain/ids"].tolist()
+    wrong = kl_per_position(ref, "plain", m.logits(ids)).mean()
+    monkeypatch.undo()
+    right = kl_per_position(ref, "plain", m.logits(ids)).mean()
+    assert wrong > 2 * MAX_MEAN_KL and wrong > 20 * right
+
+
+def sorted_gather_mm_is_right() -> bool:
+    """Whether MLX's gathered product over rows sorted by expert (what the dequantized mixture runs
+    when it sorts) gives the unsorted product's values, on this device: 128 rows over 8 experts of
+    256 x 512, a shape where MLX 0.32.4's CUDA build is wrong by more than the values themselves
+    (smaller ones came out right there)."""
+    w, x = mx.random.normal((8, 256, 512), key=mx.random.key(0)), mx.random.normal((128, 1, 256), key=mx.random.key(1))
+    experts = mx.sort(mx.random.randint(0, 8, (128,), key=mx.random.key(2)))
+    sorted_product = mx.gather_mm(x, w, rhs_indices=experts, sorted_indices=True)
+    return mx.allclose(sorted_product, mx.gather_mm(x, w, rhs_indices=experts), rtol=1e-2, atol=0.1).item()
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
@@ -246,6 +263,9 @@ def test_experts_run_in_expert_order_give_the_same_logits(name, dequantize, monk
     llama.cpp's within the bar."""
     from mlxllama.models import transformer
 
+    if dequantize and not sorted_gather_mm_is_right():
+        pytest.skip("this MLX's gather_mm(sorted_indices=True) gives other products than unsorted on this "
+                    "device (MLX 0.32.4's CUDA build, an H100); expert_outputs sorts on Metal only")
     fixture = next(n for n in REFERENCES if n.startswith(name))
     m, ref = mlxllama.load(find_fixture_model(f"{fixture}.gguf"), context_length=REFERENCE_CONTEXT,
                            dequantize=dequantize), reference(fixture)

