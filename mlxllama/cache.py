@@ -26,15 +26,22 @@ Buffer = Union[mx.array, tuple]
 class KVQuantization:
     """Keys and values stored with MLX's affine quantization (`bits` a value, a scale and a bias
     every `group_size` values of a head) and attended with its quantized products, as mlx-lm's
-    --kv-bits stores them. A cache holds its first `start` positions at full precision, and
-    quantizes them with the rest once it holds more (mlx-lm's --quantized-kv-start)."""
+    --kv-bits stores them; keys at `key_bits` where set (llama.cpp's -ctk beside -ctv: 4-bit keys
+    lose far more than 4-bit values, docs/benchmarks.md). A cache holds its first `start` positions
+    at full precision, and quantizes them with the rest once it holds more (mlx-lm's
+    --quantized-kv-start)."""
 
     bits: int
     group_size: int | None = None  # None: 64 (mlx-lm's), or 32 for heads of 64 values or fewer
     start: int = 0
+    key_bits: int | None = None  # None: `bits`
 
     BITS = (4, 8)
     GROUP_SIZES = (32, 64, 128)
+
+    @property
+    def bits_of_keys(self) -> int:
+        return self.key_bits or self.bits
 
     def for_heads(self, head_dim: int) -> KVQuantization:
         """These settings with the group size chosen for heads of head_dim values; a one-line error
@@ -43,6 +50,8 @@ class KVQuantization:
 
         if self.bits not in self.BITS:
             raise MlxLlamaError(f"--kv-bits must be 4 or 8, not {self.bits}")
+        if self.bits_of_keys not in self.BITS:
+            raise MlxLlamaError(f"--kv-key-bits must be 4 or 8, not {self.key_bits}")
         if self.start < 0:
             raise MlxLlamaError(f"--quantized-kv-start must be 0 or more, not {self.start}")
         # Two groups a head at least where the head allows: MLX's CUDA quantized product has no kernel
@@ -52,30 +61,36 @@ class KVQuantization:
             raise MlxLlamaError(f"--kv-group-size must be 32, 64 or 128, not {group_size}")
         if head_dim % group_size:
             raise MlxLlamaError(f"--kv-group-size {group_size} does not divide the model's head size {head_dim}")
-        return replace(self, group_size=group_size)
+        return replace(self, group_size=group_size, key_bits=None if self.bits_of_keys == self.bits else self.key_bits)
 
     def applies(self, quantized: bool, held: int) -> bool:
         """Whether a cache whose buffers are (or are not yet) `quantized` stores quantized once it
         holds `held` positions: from the first that passes `start` on."""
         return quantized or held > self.start
 
-    def encode(self, x: mx.array) -> tuple:
-        return tuple(mx.quantize(x, self.group_size, self.bits))
+    def encode(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        """Keys and values as the cache stores them."""
+        return (tuple(mx.quantize(keys, self.group_size, self.bits_of_keys)),
+                tuple(mx.quantize(values, self.group_size, self.bits)))
 
-    def decode(self, stored: tuple) -> mx.array:
-        """The values `encode` stored, dequantized."""
-        return mx.dequantize(*stored, group_size=self.group_size, bits=self.bits)
+    def decode(self, keys: tuple, values: tuple) -> tuple[mx.array, mx.array]:
+        """The keys and values `encode` stored, dequantized."""
+        return (mx.dequantize(*keys, group_size=self.group_size, bits=self.bits_of_keys),
+                mx.dequantize(*values, group_size=self.group_size, bits=self.bits))
 
     def bytes_per_value(self, dtype: mx.Dtype) -> float:
-        """Storage of one key or value element: its bits, and its group's scale and bias in `dtype`."""
-        return self.bits / 8 + 2 * dtype.size / self.group_size
+        """Storage of one key or value element, on average: its bits, and its group's scale and bias
+        in `dtype`."""
+        return (self.bits_of_keys + self.bits) / 16 + 2 * dtype.size / self.group_size
 
 
 def kv_label(quantization: KVQuantization | None) -> str:
     """The settings that say how a cache stores keys and values, as the options give them."""
     if quantization is None:
         return "unquantized"
-    return f"--kv-bits {quantization.bits} --kv-group-size {quantization.group_size} --quantized-kv-start {quantization.start}"
+    keys = f" --kv-key-bits {quantization.key_bits}" if quantization.key_bits else ""
+    return (f"--kv-bits {quantization.bits}{keys} --kv-group-size {quantization.group_size}"
+            f" --quantized-kv-start {quantization.start}")
 
 
 def kv_map(fn: Callable[..., mx.array], *buffers: Buffer) -> Buffer:
@@ -178,8 +193,8 @@ class KVCache:
         if q is None or not q.applies(self.quantized, held):
             return keys, values
         if not self.quantized and self.keys is not None:
-            self.keys, self.values = q.encode(self.keys), q.encode(self.values)
-        return q.encode(keys), q.encode(values)
+            self.keys, self.values = q.encode(self.keys, self.values)
+        return q.encode(keys, values)
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         return causal_mask(length, self.offset, window)
@@ -465,7 +480,7 @@ class BatchKVCache:
         if q is None or not q.applies(self.quantized, end):
             return keys, values
         self._quantize()
-        return q.encode(keys), q.encode(values)
+        return q.encode(keys, values)
 
     def _joined(self, keys: Buffer, values: Buffer, quantized: bool) -> tuple[Buffer, Buffer]:
         """A joining row's keys and values as the rows store them: once either has passed the
@@ -473,11 +488,11 @@ class BatchKVCache:
         if quantized == self.quantized:
             return keys, values
         self._quantize()
-        return (keys, values) if quantized else (self.quantization.encode(keys), self.quantization.encode(values))
+        return (keys, values) if quantized else self.quantization.encode(keys, values)
 
     def _quantize(self) -> None:
         if not self.quantized:
-            self.keys, self.values = self.quantization.encode(self.keys), self.quantization.encode(self.values)
+            self.keys, self.values = self.quantization.encode(self.keys, self.values)
 
     def mask(self, length: int, window: int = 0) -> mx.array:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to

@@ -141,6 +141,10 @@ def kv_cache_options(f):
         click.option("--kv-bits", type=int, default=None, metavar="4|8", expose_value=False, callback=remember,
                      help="Store the KV cache quantized to this many bits a value (MLX's affine quantization):"
                           " about 1/2 (8) or 1/4 (4) of its memory at float16."),
+        click.option("--kv-key-bits", type=int, default=None, metavar="4|8", expose_value=False, callback=remember,
+                     help="With --kv-bits: store the keys at this many bits instead (llama.cpp's -ctk beside -ctv):"
+                          " --kv-bits 4 --kv-key-bits 8 holds about 0.41 of the float16 cache and loses far"
+                          " less than 4-bit keys."),
         click.option("--kv-group-size", type=int, default=None, metavar="N", expose_value=False, callback=remember,
                      help="With --kv-bits: values sharing one scale and bias (default 64, or 32 for heads of 64 or fewer)."),
         click.option("--quantized-kv-start", type=int, default=0, show_default=True, metavar="N", expose_value=False,
@@ -159,12 +163,13 @@ def kv_quantization_requested():
     meta = click.get_current_context().meta
     bits = meta.get("mlxllama.kv_bits")
     if bits is None:
-        given = [f"--{name}" for name, default in (("kv-group-size", None), ("quantized-kv-start", 0))
-                 if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
+        defaults = (("kv-key-bits", None), ("kv-group-size", None), ("quantized-kv-start", 0))
+        given = [f"--{name}" for name, default in defaults if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
         if given:
             raise MlxLlamaError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --kv-bits")
         return None
-    return KVQuantization(bits, meta["mlxllama.kv_group_size"], meta["mlxllama.quantized_kv_start"])
+    return KVQuantization(bits, meta["mlxllama.kv_group_size"], meta["mlxllama.quantized_kv_start"],
+                          meta["mlxllama.kv_key_bits"])
 
 
 def parallel_options(f):

@@ -161,7 +161,7 @@ class Block(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self._attention_probe is not None:
-            keys, values = (cache.quantization.decode(k), cache.quantization.decode(v)) if isinstance(k, tuple) else (k, v)
+            keys, values = cache.quantization.decode(k, v) if isinstance(k, tuple) else (k, v)
             weights = attention_weights(q, keys, self._attention_scale, mask)
             self._attention_probe.append(weights)
             out = weights_times_values(weights, values)
@@ -388,7 +388,7 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     and softmax in float32, but for a quantized cache's scores, which are in q's type."""
     if quantization and not quantized_products_run(q.shape[-1], quantization):
         # The same values through plain products: the cache stays small, the step reads more.
-        k, v, quantization = quantization.decode(k), quantization.decode(v), None
+        (k, v), quantization = quantization.decode(k, v), None
     if not quantization:
         return weights_times_values(attention_weights(q, k, scale, mask), v)
     batch, heads, length, head_dim = q.shape
@@ -397,13 +397,13 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
     q = q.reshape(batch, kv_heads, groups, length, head_dim)
     k, v = kv_map(lambda a: a[:, :, None], k), kv_map(lambda a: a[:, :, None], v)
-    product = dict(group_size=quantization.group_size, bits=quantization.bits)
-    scores = mx.quantized_matmul(q * scale, *k, transpose=True, **product).astype(mx.float32)
+    scores = mx.quantized_matmul(q * scale, *k, transpose=True, group_size=quantization.group_size,
+                                 bits=quantization.bits_of_keys).astype(mx.float32)
     mask = grouped_mask(mask, kv_heads, groups, length, keys)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
     weights = mx.softmax(scores, axis=-1).astype(q.dtype)
-    out = mx.quantized_matmul(weights, *v, transpose=False, **product)
+    out = mx.quantized_matmul(weights, *v, transpose=False, group_size=quantization.group_size, bits=quantization.bits)
     return out.reshape(batch, heads, length, head_dim)
 
 

@@ -83,3 +83,29 @@ def test_versus_mlx_lm_refuses_depths_past_the_context_in_one_line(tmp_path):
         assert result.returncode == 2 and result.stdout == ""
         errors = [line for line in result.stderr.splitlines() if "error" in line]
         assert len(errors) == 1 and message in errors[0]
+
+
+def test_kv_key_grouping_measures_what_the_quantized_cache_does(tmp_path):
+    """Its 'head' way is --kv-bits 4 as the product stores it: chat-tiny's heads are one group, so
+    the product's perplexity is matched to the last digit, and the unquantized one likewise."""
+    import mlxllama
+    from mlxllama.cache import KVQuantization
+    from mlxllama.perplexity import perplexity, read_text
+
+    model, corpus = find_fixture_model("chat-tiny-Q4_K_M.gguf"), REPO / "tests" / "fixtures" / "perplexity-corpus.txt"
+    lines = [json.loads(line) for line in run_script("benchmarks/kv_key_grouping.py", str(model), str(corpus),
+                                                     "--keys", "head").splitlines()]
+    assert [line["keys"] for line in lines] == ["unquantized", "head"]
+    text = read_text(str(corpus))
+    for line, quantization in zip(lines, (None, KVQuantization(bits=4))):
+        runtime = mlxllama.load(model, context_length=512, kv_quantization=quantization)
+        ppl = perplexity(runtime.model, runtime.tokenize(text, add_bos=True), 512, runtime.tokenizer.bos_id).ppl
+        assert line["ppl"] == round(ppl, 4)
+    assert lines[1]["rise"] > 0.05  # 4 bits along the head: chat-tiny's +7.9%
+
+
+def test_kv_key_grouping_names_an_unknown_way_in_one_line():
+    result = subprocess.run([sys.executable, "benchmarks/kv_key_grouping.py", "m.gguf", "t.txt", "--keys", "rows"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == (
+        "kv_key_grouping.py: error: --keys: no way named 'rows' (one of head, full, 8, tokens, scaled)\n")
