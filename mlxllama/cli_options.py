@@ -164,7 +164,8 @@ def kv_quantization_requested():
     bits = meta.get("mlxllama.kv_bits")
     if bits is None:
         defaults = (("kv-key-bits", None), ("kv-group-size", None), ("quantized-kv-start", 0))
-        given = [f"--{name}" for name, default in defaults if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
+        given = [f"--{name}" for name, default in defaults
+                 if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
         if given:
             raise MlxLlamaError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --kv-bits")
         return None

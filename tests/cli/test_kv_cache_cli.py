@@ -81,7 +81,8 @@ def test_a_prompt_cache_file_keeps_the_quantized_cache_and_says_so(tmp_path):
     assert unquantized.exit_code == 2 and unquantized.stderr == (
         f"mlxllama: error: {path}: made with the KV cache '--kv-bits 4 --kv-group-size 32 --quantized-kv-start 0',"
         " this run has 'unquantized'\n")
-    wider_keys = run("generate", "--no-template", "-p", DOC, "--prompt-cache", path, "--kv-bits", "4", "--kv-key-bits", "8")
+    wider_keys = run("generate", "--no-template", "-p", DOC, "--prompt-cache", path, "--kv-bits", "4",
+                     "--kv-key-bits", "8")
     assert wider_keys.exit_code == 2 and wider_keys.stderr == (
         f"mlxllama: error: {path}: made with the KV cache '--kv-bits 4 --kv-group-size 32 --quantized-kv-start 0',"
         " this run has '--kv-bits 4 --kv-key-bits 8 --kv-group-size 32 --quantized-kv-start 0'\n")
