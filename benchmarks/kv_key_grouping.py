@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,7 +44,8 @@ TOKEN_GROUP = 32
 
 
 def round_trip(x: mx.array, bits: int, group_size: int) -> mx.array:
-    """x as MLX's affine quantization gives it back: groups along the last axis."""
+    """x as MLX's affine quantization gives it back: groups along the last axis (for the ways the
+    cache's own KVQuantization does not store)."""
     return mx.dequantize(*mx.quantize(x, group_size, bits), group_size=group_size, bits=bits).astype(x.dtype)
 
 
@@ -59,23 +61,24 @@ def along_tokens(keys: mx.array, bits: int) -> mx.array:
 
 
 def storing(way: str):
-    """A KVCache._stored that stores keys and values at full precision as `way` would round them."""
+    """A KVCache._stored that stores keys and values at full precision as `way` would round them:
+    the values, and the keys of 'head' and '8' (--kv-key-bits 8), through the cache's own
+    KVQuantization."""
 
     def stored(cache: KVCache, keys: mx.array, values: mx.array, held: int):
-        group = cache.quantization.group_size
-        if way == "8":
-            keys = round_trip(keys, 8, group)
+        quantization = replace(cache.quantization, key_bits=8) if way == "8" else cache.quantization
+        stored_keys, stored_values = quantization.decode(*quantization.encode(keys, values))
+        if way == "full":
+            stored_keys = keys
         elif way == "tokens":
-            keys = along_tokens(keys, 4)
+            stored_keys = along_tokens(keys, 4)
         elif way == "scaled":
             if not hasattr(cache, "channel_scale"):
                 peak = mx.abs(keys.astype(mx.float32)).max(axis=2, keepdims=True)
                 scale = mx.sqrt(mx.maximum(peak, 1e-6))
                 cache.channel_scale = (scale / scale.mean(axis=-1, keepdims=True)).astype(keys.dtype)
-            keys = round_trip(keys / cache.channel_scale, 4, group) * cache.channel_scale
-        elif way == "head":
-            keys = round_trip(keys, 4, group)
-        return keys, round_trip(values, 4, group)
+            stored_keys = round_trip(keys / cache.channel_scale, 4, quantization.group_size) * cache.channel_scale
+        return stored_keys, stored_values
 
     return stored
 
