@@ -287,7 +287,8 @@ def _requantized(decode: Callable[[Fields], mx.array]):
 
 AFFINE_GROUP_SIZE = 32
 # Scales and biases are stored as float16 on every device: it keeps a Q4_K weight at 5 bits
-# (float32 would make it 6) and MLX's CPU kernels take float16 scales with float32 inputs at no cost.
+# (float32 would make it 6). MLX's CPU products cast them to a float32 input's type on every call,
+# 6-8% of a one-row product there (docs/benchmarks.md): memory was chosen over that.
 AFFINE_SCALE_DTYPE = mx.float16
 
 

@@ -109,3 +109,13 @@ def test_kv_key_grouping_names_an_unknown_way_in_one_line():
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr == (
         "kv_key_grouping.py: error: --keys: no way named 'rows' (one of head, full, 8, tokens, scaled)\n")
+
+
+def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
+    """The measurement behind holding Q6_K at 8 bits: on chat-tiny's Q6_K file the 6-bit form moves
+    the mean KL to llama.cpp up and flips an argmax the parity tests hold (docs/benchmarks.md)."""
+    model = find_fixture_model("chat-tiny-Q6_K.gguf")
+    held, six = (json.loads(line) for line in run_script("benchmarks/q6k_six_bits.py", str(model)).splitlines())
+    assert (held["q6_k_bits"], six["q6_k_bits"]) == (8, 6)
+    assert held["argmax_flips"] == 0 and six["argmax_flips"] >= 1
+    assert six["mean_kl"] > 1.5 * held["mean_kl"]

@@ -6,6 +6,8 @@ fixture; here the conversion itself is checked, and the --dequantize mode keeps 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import gguf
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +21,7 @@ from mlxllama.fusion import stacked
 from mlxllama.quantized_layers import BlockEmbedding, NativeLinear, TiedEmbedding, quantized_layer
 from mlxllama.tensors import Blocks
 from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
+from mlxllama.step_cost import launches
 
 from conftest import find_fixture_model
 from test_llama_parity import PROMPTS, REFERENCES, assert_logits_match, reference
@@ -197,3 +200,22 @@ def test_native_linear_paths_agree(monkeypatch):
     layer.expand_rows = 3
     # The expanded weight is float16 (the GPU's compute type), so each weight is rounded to it.
     np.testing.assert_allclose(np.array(layer(x)), quantized, rtol=1e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_a_symmetric_weight_derives_its_biases_in_the_input_type(dtype):
+    """Q6_K's 8-bit grid stores no biases: derived from the scales cast to the input's type, they cost a
+    cast and a multiply (none of the cast in float16), not a multiply and the two casts MLX's product
+    would add, and give the product of the stored form to the last bit."""
+    tensor = next(t for t in gguf.GGUFReader(find_fixture_model("types-tiny-Q6_K.gguf")).tensors
+                  if t.name == "blk.0.ffn_up.weight")
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    affine = to_affine(tensor.data, tensor.tensor_type, shape)
+    x = mx.random.normal((2, shape[1]), key=mx.random.key(1)).astype(dtype)
+    mx.eval(x)
+    y = NativeLinear(affine, output_bias=False)(x)
+    extra = Counter({"AsType": 1} if dtype == mx.float32 else {})
+    assert launches([y]) == Counter({"QuantizedMatmul": 1, "Multiply": 1}) + extra
+    stored = mx.quantized_matmul(x, affine.weight, affine.scales.astype(dtype), affine.full_biases().astype(dtype),
+                                 transpose=True, group_size=32, bits=8)
+    np.testing.assert_array_equal(np.array(y), np.array(stored))
