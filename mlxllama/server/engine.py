@@ -127,7 +127,13 @@ class Engine:
             try:
                 # One chunk of a joining prompt (or of a few short ones together), then one step of
                 # the running rows: a newcomer's prefill holds the running streams up by one chunk at most.
-                finished = (self.decoder.prefill_chunk() if self.decoder.joining else []) + self.decoder.step()
+                finished = []
+                if self.decoder.joining:
+                    finished = self.decoder.prefill_chunk()
+                    # A prompt all fed has its first token now: it goes out before the step, not after.
+                    for ticket in self.tickets:
+                        self._hand_on(ticket)
+                finished += self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 for ticket in self.tickets:
                     ticket.on_error(e)

@@ -11,47 +11,72 @@ from mlxllama.server.engine import Engine, Ticket, warm_up
 from conftest import PACKAGE_DATA
 
 
-def test_a_joining_prompt_never_holds_a_running_stream_up_for_more_than_one_chunk():
-    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
-    engine = Engine(runtime, max_batch=4, prefill_chunk=16)
-    work: list[str] = []
-    decoder = engine.decoder
-    prefill_chunk, step = decoder.prefill_chunk, decoder.step
-    decoder.prefill_chunk = lambda: (work.append("chunk"), prefill_chunk())[1]
-    decoder.step = lambda: (work.append(f"step {len(decoder.rows)}") if decoder.rows else None, step())[1]
+class Recorded:
+    """An engine whose decoder's prefill chunks and steps, and its requests' texts, go to `work` in
+    the order they happen."""
 
-    results, texts, started = {}, {}, threading.Event()
+    def __init__(self, runtime, **engine_options):
+        self.engine = Engine(runtime, **engine_options)
+        self.work: list[str] = []
+        self.results, self.texts, self.started = {}, {}, threading.Event()
+        decoder = self.engine.decoder
+        prefill_chunk, step = decoder.prefill_chunk, decoder.step
+        decoder.prefill_chunk = lambda: (self.work.append("chunk"), prefill_chunk())[1]
+        decoder.step = lambda: (self.work.append(f"step {len(decoder.rows)}") if decoder.rows else None, step())[1]
 
-    def submit(name: str, ids: list[int], max_tokens: int) -> threading.Event:
+    def submit(self, name: str, ids: list[int], max_tokens: int) -> threading.Event:
         done = threading.Event()
 
         def on_text(update):
-            texts[name] = texts.get(name, "") + update[0]
-            started.set()
+            self.work.append(f"text {name}")
+            self.texts[name] = self.texts.get(name, "") + update[0]
+            self.started.set()
 
         def on_done(row):
-            results[name] = row.result()
+            self.results[name] = row.result()
             done.set()
 
-        engine.submit(Ticket(Request(ids, max_tokens), on_text, on_done, lambda e: done.set()))
+        self.engine.submit(Ticket(Request(ids, max_tokens), on_text, on_done, lambda e: done.set()))
         return done
 
+
+def test_a_joining_prompt_never_holds_a_running_stream_up_for_more_than_one_chunk():
+    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    recorded = Recorded(runtime, max_batch=4, prefill_chunk=16)
     running_ids = runtime.tokenize("Once upon a time")
     joining_ids = runtime.tokenize("The capital of Italy is Rome. " * 20)  # 141 tokens: 9 chunks of 16
-    first = submit("running", running_ids, 60)
-    assert started.wait(60)
-    second = submit("joining", joining_ids, 4)
+    first = recorded.submit("running", running_ids, 60)
+    assert recorded.started.wait(60)
+    second = recorded.submit("joining", joining_ids, 4)
     assert first.wait(120) and second.wait(120)
-    engine.stop()
+    recorded.engine.stop()
 
+    work = [w for w in recorded.work if not w.startswith("text")]
     assert work.count("chunk") == -(-len(joining_ids) // 16) + 1  # the running prompt's one chunk, then the newcomer's
     newcomer = work[work.index("chunk", 1):]
     # Every chunk of the newcomer is followed by a step of the running row before the next chunk.
     assert all(newcomer[i + 1].startswith("step") for i, w in enumerate(newcomer[:-1]) if w == "chunk")
     # Neither request's text depends on the other being there.
-    assert results["running"].token_ids == runtime.generate(running_ids, 60).token_ids
-    assert results["joining"].token_ids == runtime.generate(joining_ids, 4).token_ids
-    assert texts["running"] == results["running"].text
+    assert recorded.results["running"].token_ids == runtime.generate(running_ids, 60).token_ids
+    assert recorded.results["joining"].token_ids == runtime.generate(joining_ids, 4).token_ids
+    assert recorded.texts["running"] == recorded.results["running"].text
+
+
+def test_a_newcomer_first_token_goes_out_before_the_running_rows_next_step():
+    """The first token is sampled when the last chunk of a prompt is in: the client has it then, not
+    a decode step of the running rows later (at 16 clients on the CPU: TTFT p50 0.62x, p95 0.75x)."""
+    runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
+    recorded = Recorded(runtime, max_batch=4, prefill_chunk=16)
+    first = recorded.submit("running", runtime.tokenize("Once upon a time"), 40)
+    assert recorded.started.wait(60)
+    second = recorded.submit("joining", runtime.tokenize("The capital of Italy is Rome. " * 4), 4)
+    assert first.wait(120) and second.wait(120)
+    recorded.engine.stop()
+
+    work = recorded.work
+    last_chunk = max(i for i, w in enumerate(work) if w == "chunk")
+    assert work.index("text joining") == last_chunk + 1
+    assert work[last_chunk + 2] == "step 2"  # the newcomer's second token comes from the step with both rows
 
 
 def test_warm_up_runs_every_batch_size_class_and_leaves_nothing_behind():
