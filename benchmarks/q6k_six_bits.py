@@ -82,6 +82,8 @@ def main() -> None:
             (d / f"{name}.gguf" for d in MODEL_DIRS if (d / f"{name}.gguf").exists()), None)
         if path is None or not path.exists():
             sys.exit(f"q6k_six_bits.py: {model}: no such model file")
+        if not (REFERENCES / f"{name}.npz").exists():
+            sys.exit(f"q6k_six_bits.py: {model}: no llama.cpp reference {REFERENCES / name}.npz")
         with np.load(REFERENCES / f"{name}.npz") as ref:
             for bits, form in forms.items():
                 FORMATS[QT.Q6_K] = form

@@ -494,9 +494,13 @@ class BatchKVCache:
         if not self.quantized:
             self.keys, self.values = self.quantization.encode(self.keys, self.values)
 
-    def mask(self, length: int, window: int = 0) -> mx.array:
+    def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
-        themselves (within the window, if any)."""
+        themselves (within the window, if any). Rows all of one length (a lone row: a server with one
+        client) take a single sequence's mask instead, None or "causal" outside a window, which MLX's
+        fused attention takes as it is; an array mask makes its CUDA build run the products apart."""
+        if len(set(self.lengths)) == 1:
+            return causal_mask(length, self.lengths[0], window)
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
         key_pos = mx.arange(max(self.lengths) + length)
         return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]

@@ -101,6 +101,30 @@ def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
         tokens = [[int(t)] for t in mx.argmax(want, axis=-1).tolist()]
 
 
+def test_rows_of_one_length_attend_with_a_single_sequence_mask(runtime, prompts):
+    """A lone row (a server with one client), or rows all of one length, take a single sequence's
+    mask: None for one token, "causal" for several, which MLX's fused attention takes as they are
+    (an array mask makes its CUDA build run the products apart), and the logits of a single
+    sequence's step, to the last bit. Rows of different lengths keep the array mask."""
+    model = runtime.model
+    caches = [model.make_cache() for _ in range(3)]
+    token = [int(mx.argmax(prefill(model, prompts[5], caches[0])))]
+    for ids, cache in zip(prompts[:2], caches[1:]):
+        prefill(model, ids, cache)
+    lone, twins, uneven = (model.make_batch_cache() for _ in range(3))
+    for i in range(len(lone)):
+        lone[i].add(caches[0][i])
+        twins[i].add(caches[0][i])
+        twins[i].add(caches[0][i])
+        uneven[i].add(caches[1][i])
+        uneven[i].add(caches[2][i])
+    assert (lone[0].mask(1), lone[0].mask(4), twins[0].mask(4)) == (None, "causal", "causal")
+    got = model.step(mx.array([token]), lone)
+    assert np.array_equal(np.array(got), np.array(model.step(mx.array([token]), caches[0])))
+    assert uneven[0].lengths[0] != uneven[0].lengths[1]
+    assert uneven[0].mask(1).shape == (2, 1, 1, max(uneven[0].lengths) + 1)
+
+
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, batch_size):
     requests = [Request(ids, n) for ids, n in zip(prompts, MAX_TOKENS)]
