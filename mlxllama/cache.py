@@ -513,9 +513,13 @@ class BatchKVCache:
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
         self.make_room(new)
-        slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
-        self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
-        self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
+        if len(set(self.lengths)) == 1:  # every row writes the same slots: one slice, as KVCache writes
+            write(self.keys, self.lengths[0], keys)
+            write(self.values, self.lengths[0], values)
+        else:
+            slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
+            self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
+            self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
         self.lengths, self._offset = [n + new for n in self.lengths], None
         return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
 

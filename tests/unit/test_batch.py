@@ -23,6 +23,7 @@ from mlxllama.cache import KVQuantization, kv_arrays, make_batch_cache, make_cac
 from mlxllama.cli import main
 from mlxllama.generate import prefill
 from mlxllama.prompt_cache import PromptCache
+from mlxllama.step_cost import launches
 from mlxllama.prompt import NO_TEMPLATE, build_prompt, choose_template, messages_for
 from mlxllama.sampling import SamplingParams
 
@@ -104,8 +105,9 @@ def test_decode_step_on_rows_of_different_lengths(runtime, prompts):
 def test_rows_of_one_length_attend_with_a_single_sequence_mask(runtime, prompts):
     """A lone row (a server with one client), or rows all of one length, take a single sequence's
     mask: None for one token, "causal" for several, which MLX's fused attention takes as they are
-    (an array mask makes its CUDA build run the products apart), and the logits of a single
-    sequence's step, to the last bit. Rows of different lengths keep the array mask."""
+    (an array mask makes its CUDA build run the products apart), and write their keys and values as
+    one slice: a lone row's step launches what a single sequence's does and gives its logits to the
+    last bit. Rows of different lengths keep the array mask."""
     model = runtime.model
     caches = [model.make_cache() for _ in range(3)]
     token = [int(mx.argmax(prefill(model, prompts[5], caches[0])))]
@@ -119,8 +121,12 @@ def test_rows_of_one_length_attend_with_a_single_sequence_mask(runtime, prompts)
         uneven[i].add(caches[1][i])
         uneven[i].add(caches[2][i])
     assert (lone[0].mask(1), lone[0].mask(4), twins[0].mask(4)) == (None, "causal", "causal")
-    got = model.step(mx.array([token]), lone)
-    assert np.array_equal(np.array(got), np.array(model.step(mx.array([token]), caches[0])))
+    mx.eval([kv_arrays(b) for layer in lone for b in (layer.keys, layer.values)])
+    stepped = [(model.step(mx.array([token]), cache), cache) for cache in (lone, caches[0])]
+    counts = [launches([logits] + [a for layer in cache for b in (layer.keys, layer.values) for a in kv_arrays(b)])
+              for logits, cache in stepped]
+    assert counts[0] == counts[1]
+    assert np.array_equal(np.array(stepped[0][0]), np.array(stepped[1][0]))
     assert uneven[0].lengths[0] != uneven[0].lengths[1]
     assert uneven[0].mask(1).shape == (2, 1, 1, max(uneven[0].lengths) + 1)
 
