@@ -517,7 +517,8 @@ class BatchKVCache:
             write(self.keys, self.lengths[0], keys)
             write(self.values, self.lengths[0], values)
         else:
-            slots = (self.offset[:, None] + mx.arange(new)[None, :]).reshape(batch, 1, new, 1)
+            # Built on the host, as the lengths are: computed on the device it was two launches a layer.
+            slots = mx.array((np.array(self.lengths)[:, None] + np.arange(new)).reshape(batch, 1, new, 1))
             self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
             self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
         self.lengths, self._offset = [n + new for n in self.lengths], None

@@ -129,6 +129,11 @@ def test_rows_of_one_length_attend_with_a_single_sequence_mask(runtime, prompts)
     assert np.array_equal(np.array(stepped[0][0]), np.array(stepped[1][0]))
     assert uneven[0].lengths[0] != uneven[0].lengths[1]
     assert uneven[0].mask(1).shape == (2, 1, 1, max(uneven[0].lengths) + 1)
+    # Their slots come from the host: beyond the step's one mask, no arithmetic on positions a layer.
+    mx.eval([kv_arrays(b) for layer in uneven for b in (layer.keys, layer.values)])
+    logits = model.step(mx.array([token, token]), uneven)
+    count = launches([logits] + [a for layer in uneven for b in (layer.keys, layer.values) for a in kv_arrays(b)])
+    assert count["Arange"] + count["Add"] <= counts[0]["Arange"] + counts[0]["Add"] + 3
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
