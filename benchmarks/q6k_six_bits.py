@@ -39,14 +39,9 @@ DEFAULT = ["chat-tiny-Q3_K_M", "chat-tiny-Q4_K_M", "chat-tiny-Q5_K_M", "chat-tin
 
 
 def six_bit_q6_k(f: quants.Fields):
-    d, scales, q = quants._q6_k_parts(f)
-    n = f.n
-    pairs = scales.reshape(n, 8, 2)
-    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
-    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
-    v = mx.clip(mx.round(ratio[..., None] * q.reshape(n, 8, 2, 16)), -32, 31)
-    step = d * larger
-    return (v + 32).astype(mx.uint8).reshape(n, 256), step, -32 * step
+    """The held form's pairing (quants._affine_q6_k) with a step of the larger sub-block's own."""
+    v, step = quants._q6_k_on_pair_grids(f, 1)
+    return (mx.clip(v, -32, 31) + 32).astype(mx.uint8).reshape(f.n, 256), step, -32 * step
 
 
 def kl_and_flips(runtime, ref) -> tuple[np.ndarray, int, int]:

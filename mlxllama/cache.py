@@ -473,6 +473,11 @@ class BatchKVCache:
     def quantized(self) -> bool:
         return isinstance(self.keys, tuple)
 
+    @property
+    def one_length(self) -> int | None:
+        """The rows' length where they all have one (a lone row: a server with one client), else None."""
+        return self.lengths[0] if len(set(self.lengths)) == 1 else None
+
     def _stored(self, keys: mx.array, values: mx.array, end: int) -> tuple[Buffer, Buffer]:
         """New keys and values as the rows store them once the longest holds `end` positions
         (KVQuantization.applies), the rows held so far quantized first when that starts now."""
@@ -499,8 +504,8 @@ class BatchKVCache:
         themselves (within the window, if any). Rows all of one length (a lone row: a server with one
         client) take a single sequence's mask instead, None or "causal" outside a window, which MLX's
         fused attention takes as it is; an array mask makes its CUDA build run the products apart."""
-        if len(set(self.lengths)) == 1:
-            return causal_mask(length, self.lengths[0], window)
+        if self.one_length is not None:
+            return causal_mask(length, self.one_length, window)
         query_pos = self.offset[:, None] + mx.arange(length)[None, :]
         key_pos = mx.arange(max(self.lengths) + length)
         return visible(query_pos[:, :, None], key_pos[None, None, :], window)[:, None]
@@ -513,9 +518,10 @@ class BatchKVCache:
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
         self.make_room(new)
-        if len(set(self.lengths)) == 1:  # every row writes the same slots: one slice, as KVCache writes
-            write(self.keys, self.lengths[0], keys)
-            write(self.values, self.lengths[0], values)
+        start = self.one_length
+        if start is not None:  # every row writes the same slots: one slice, as KVCache writes
+            write(self.keys, start, keys)
+            write(self.values, start, values)
         else:
             # Built on the host, as the lengths are: computed on the device it was two launches a layer.
             slots = mx.array((np.array(self.lengths)[:, None] + np.arange(new)).reshape(batch, 1, new, 1))

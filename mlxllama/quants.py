@@ -244,6 +244,18 @@ def _affine_q3_k(f: Fields):
     return v.astype(mx.uint8).reshape(n, 256), mx.broadcast_to(-d, (n, 8)), None
 
 
+def _q6_k_on_pair_grids(f: Fields, steps: int) -> tuple[mx.array, mx.array]:
+    """Q6_K's values on one grid a pair of 16-value sub-blocks: signed v (n, 8, 2, 16) and the grid's
+    step (n, 8), `steps` of it to one step of the pair's larger |scale|, so that sub-block's values
+    land exactly on the grid (v = steps x q) and the other's are rounded to it."""
+    d, scales, q = _q6_k_parts(f)
+    n = f.n
+    pairs = scales.reshape(n, 8, 2)
+    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
+    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
+    return mx.round(steps * ratio[..., None] * q.reshape(n, 8, 2, 16)), d * larger / steps
+
+
 def _affine_q6_k(f: Fields):
     """Q6_K's 16-value sub-blocks (d x scale x q, q in [-32, 31]) re-quantized to 8 bits on a symmetric grid.
 
@@ -251,15 +263,10 @@ def _affine_q6_k(f: Fields):
     its own, so its values land exactly on the grid (v = 4 q); the other's are rounded to it, off
     by at most 1/8 of the larger sub-block's step. The bias is -128 x scale, so it is not stored.
     """
-    d, scales, q = _q6_k_parts(f)
-    n = f.n
-    pairs = scales.reshape(n, 8, 2)
-    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
-    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
-    v = mx.round(4 * ratio[..., None] * q.reshape(n, 8, 2, 16))
+    v, step = _q6_k_on_pair_grids(f, 4)
     # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
     q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
-    return q8.reshape(n, 256), d * larger / 4, None
+    return q8.reshape(f.n, 256), step, None
 
 
 def _requantized(decode: Callable[[Fields], mx.array]):
