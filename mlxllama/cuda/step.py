@@ -124,6 +124,10 @@ class KernelStep:
         for layer in cache:
             layer.make_room(1)
         logits = self._launch(tokens, cache)
+        # The kernels write the cache in place, which MLX's graph does not see: they run only once
+        # their output is evaluated. Queued now, so that a caller who has no use for the logits (a
+        # prompt's rest fed a token a step, the last id of a reply) still finds its cache written.
+        mx.async_eval(logits)
         for layer in cache:
             layer.advance(1)
         return logits

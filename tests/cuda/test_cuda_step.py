@@ -149,6 +149,23 @@ def test_batch_of_equal_rows_through_the_kernels_and_alone():
 
 
 @on_cuda
+def test_a_step_whose_logits_are_never_read_still_writes_the_cache():
+    """The kernels write keys and values in place, which MLX's graph does not track: steps whose
+    logits nobody evaluates (a prompt's rest fed a token a step) must still fill their slots, or
+    later steps attend to zeros (a served repeated prompt's log-probability was 0.0 against -0.12)."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    model = runtime.model
+    fed, read = model.make_cache(), model.make_cache()
+    for cache in (fed, read):
+        model(mx.array([PROMPT[:-3]]), cache)
+    for token in PROMPT[-3:-1]:
+        model.step(mx.array([[token]]), fed)
+        mx.eval(model.step(mx.array([[token]]), read))
+    got, want = (np.array(model.step(mx.array([[PROMPT[-1]]]), cache)) for cache in (fed, read))
+    np.testing.assert_array_equal(got, want)
+
+
+@on_cuda
 def test_batch_generate_through_the_kernels_as_rows_finish():
     """batch_generate on CUDA: 10 rows (two tiles of 8 sequences), then fewer as rows finish, down
     to one (the one-sequence kernel on a BatchKVCache row); each row's greedy ids are those of the
