@@ -105,6 +105,12 @@ class Row:
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
 
+    @property
+    def last_id(self) -> int:
+        """The id its next step feeds: its last generated one, or, for a row that joined with its
+        prompt's last token still to feed (BatchDecoder's stepped rests), that token."""
+        return self.ids[-1] if self.ids else self.request.ids[-1]
+
     def accept(self, token_id: int, logits: mx.array | None = None) -> bool:
         """Record the next generated id (and its log-probability, from the logits it was sampled
         from, when the request asks); True once the row is finished."""
@@ -176,8 +182,9 @@ class Joining:
 
 
 # With `stepped_rests`, a rest of at most this many tokens after a cached prefix (a prompt the prompt
-# cache holds but for its last token or two) is fed one decode step a token: on an H100 a prefill
-# pass of a few tokens took about 10 ms of MLX's host time, a step of the CUDA kernels about 1 ms.
+# cache holds but for its last token or two) is fed one decode step a token, its last in the batch's
+# next step: on an H100 a prefill pass of a few tokens took about 10 ms of MLX's host time, a step
+# of the CUDA kernels about 1 ms.
 STEPPED_REST_MAX = 4
 
 
@@ -197,7 +204,10 @@ class BatchDecoder:
     on the CPU only: MLX's CUDA backend compiles every new shape of a group (docs/server.md).
 
     With `stepped_rests`, a short rest after a cached prefix goes through the decode step instead
-    of a prefill pass (STEPPED_REST_MAX); the server does so on a GPU.
+    of a prefill pass (STEPPED_REST_MAX), and its last token through the batch's next step, where
+    the row's first token is sampled with the others': every such joiner in the queue joins in one
+    prefill_chunk(), so a burst of repeated prompts waits for one step, not one a request. The
+    server does so on a GPU.
 
     Rows whose request drafts (speculative decoding) each propose up to k tokens a step; the step
     then feeds every row its last id and its drafts in one pass, and cuts each row's cache to what
@@ -260,14 +270,19 @@ class BatchDecoder:
     def prefill_chunk(self) -> list[Row]:
         """Feed the next chunk of the first joining prompt (or, grouping, the rest of the first few
         prompts together). Once a whole prompt is in, its first token is sampled and the row joins
-        the batch; the rows that token finished are returned."""
+        the batch; the rows that token finished are returned. With stepped rests, every joiner whose
+        rest is stepped joins first, and alone: their first tokens come with the next step."""
+        stepped = [self._steps_in(j) for j in self.joining]
+        if any(stepped):
+            joiners, self.joining = self.joining, deque(j for j, s in zip(self.joining, stepped) if not s)
+            for joining in (j for j, s in zip(joiners, stepped) if s):
+                self._step_in(joining)
+            return []
         group = self._group()
         if len(group) > 1:
             return self._prefill_group(group)
         joining = self.joining[0]
         ids = joining.row.request.ids
-        if self.stepped_rests and 0 < joining.fed and len(ids) - joining.fed <= STEPPED_REST_MAX:
-            return self._step_rest(joining)
         chunk = ids[joining.fed : joining.fed + self.chunk]
         hidden = self.model.hidden_states(mx.array([chunk]), joining.cache)
         joining.fed_through(len(chunk))
@@ -277,15 +292,19 @@ class BatchDecoder:
         self.joining.popleft()
         return self._joined(joining, self.model.head(hidden[:, -1:])[0, -1])
 
-    def _step_rest(self, joining: Joining) -> list[Row]:
-        """The first joining prompt's short rest fed one token a decode step (model.step: the CUDA
-        kernels where they run), as a sequence's generated tokens are."""
+    def _steps_in(self, joining: Joining) -> bool:
+        rest = len(joining.row.request.ids) - joining.fed
+        return self.stepped_rests and 0 < joining.fed and rest <= STEPPED_REST_MAX
+
+    def _step_in(self, joining: Joining) -> None:
+        """A joiner's short rest after its cached prefix fed one token a decode step (model.step:
+        the CUDA kernels where they run), as a sequence's generated tokens are, but for its last,
+        which the batch's next step feeds (Row.last_id) and samples its first token from."""
         ids = joining.row.request.ids
-        for token in ids[joining.fed :]:
-            logits = self.model.step(mx.array([[token]]), joining.cache)
+        for token in ids[joining.fed : -1]:
+            self.model.step(mx.array([[token]]), joining.cache)
         joining.fed_through(len(ids) - joining.fed)
-        self.joining.popleft()
-        return self._joined(joining, logits[0])
+        self._join(joining.row, joining.cache)
 
     def _group(self) -> list[Joining]:
         """The joining prompts at the front of the queue (a prefix of it) whose rests, padded to the
@@ -336,13 +355,17 @@ class BatchDecoder:
         row = joining.row
         if row.accept(row.choose(last), last):
             return [row]
-        for layer, row_layer in zip(self.cache, joining.cache):
+        self._join(row, joining.cache)
+        return []
+
+    def _join(self, row: Row, cache: list) -> None:
+        """The row and its cache into the batch: its next input is its last id, which the host has."""
+        for layer, row_layer in zip(self.cache, cache):
             layer.add(row_layer)
         self.rows.append(row)
-        if self.inputs is not None:  # its first token, read already, is its next input
-            self.inputs = mx.concatenate([self.inputs, mx.array([row.ids[-1]], self.inputs.dtype)])
+        if self.inputs is not None:
+            self.inputs = mx.concatenate([self.inputs, mx.array([row.last_id], self.inputs.dtype)])
         self.unread.append(False)
-        return []
 
     def step(self) -> list[Row]:
         """One decode step of every row (with speculation, a check of each row's drafts: up to k + 1
@@ -372,7 +395,7 @@ class BatchDecoder:
     def _pipelined_step(self) -> list[bool]:
         """Feed each row its next input (the previous step's token, unread, or its last id), queue
         the sampling of the token after it, then read the inputs: whether each row finished."""
-        inputs = self.inputs if self.inputs is not None else mx.array([row.ids[-1] for row in self.rows])
+        inputs = self.inputs if self.inputs is not None else mx.array([row.last_id for row in self.rows])
         logits = self.model.step(inputs[:, None], self.cache)
         # The repeat penalty sees a fed token the host has not read yet as `pending`.
         self.inputs = mx.stack([row.sampler(logits[i], row.context, inputs[i] if self.unread[i] else None)
@@ -412,7 +435,7 @@ class BatchDecoder:
 
     def _plain_step(self) -> list[bool]:
         """Each row's last id fed and its next token chosen; whether each row finished."""
-        logits = self.model.step(mx.array([[row.ids[-1]] for row in self.rows]), self.cache)
+        logits = self.model.step(mx.array([[row.last_id] for row in self.rows]), self.cache)
         if any(row.guide is not None for row in self.rows):
             mx.async_eval(logits)  # the constraints' masks are built on the host while the device runs the step
         if any(row.chooser is not None for row in self.rows):
@@ -431,7 +454,7 @@ class BatchDecoder:
         drafts each row's model keeps and its own token after them, and each row's cache cut to
         what it kept; whether each row finished."""
         width = 1 + max(len(drafts) for drafts, _ in proposals)
-        tokens = [[row.ids[-1]] + drafts + [row.ids[-1]] * (width - 1 - len(drafts))
+        tokens = [[row.last_id] + drafts + [row.last_id] * (width - 1 - len(drafts))
                   for row, (drafts, _) in zip(self.rows, proposals)]
         before = list(self.cache[0].lengths)
         logits = self.model(mx.array(tokens), self.cache)

@@ -35,6 +35,13 @@ QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?"]
 MAX_TOKENS = [12, 3, 9, 5, 16, 14]
 
 
+def logprob_rounding(runtime) -> float:
+    """How far one token's log-probability may round apart when the same prompt goes through the
+    model in other shapes (a padded group, a stepped rest, a row of a batch): 1e-4 computed in
+    float32 (the CPU); in float16 (a GPU) up to 0.0033 was measured on an H100."""
+    return 1e-4 if runtime.model.compute_dtype == mx.float32 else 5e-3
+
+
 @pytest.fixture(scope="module")
 def runtime():
     return mlxllama.load(MODEL)
@@ -160,7 +167,8 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
     assert [r.ids for r in together] == [r.ids for r in alone]
     for a, b in zip(alone, together):
         assert (b.cached_tokens, b.prefilled_tokens) == (a.cached_tokens, a.prefilled_tokens)
-        np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs], atol=1e-4)
+        np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
+                                   atol=logprob_rounding(runtime))
     for a, b, row in zip(keys_alone, keys_together, alone):
         n = len(row.request.ids)
         np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=1e-4)
@@ -168,8 +176,9 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
 
 def test_a_short_rest_after_a_cached_prefix_goes_through_the_decode_step(runtime, prompts, monkeypatch):
     """stepped_rests (the server's, on a GPU): a prompt the prompt cache holds but for its last 3
-    tokens feeds them as 3 decode steps, no prefill pass; the same ids and log-probabilities
-    (within 1e-4: a step and a pass round apart) as the prefill pass gives."""
+    tokens feeds two of them as decode steps of its own and the last in the batch's next step, no
+    prefill pass; the same ids and log-probabilities (within 1e-4: a step and a pass round apart)
+    as the prefill pass gives."""
     model = runtime.model
     rows, passes = {}, {}
     for stepped in (False, True):
@@ -194,6 +203,9 @@ def test_a_short_rest_after_a_cached_prefix_goes_through_the_decode_step(runtime
         monkeypatch.setattr(model, "hidden_states", prefill_pass)
         monkeypatch.setattr(model, "step", step)
         decoder.prefill_chunk()
+        assert not decoder.joining and (row.ids == []) == stepped
+        while not row.ids:
+            decoder.step()
         monkeypatch.undo()
         while decoder.rows:
             decoder.step()
@@ -201,7 +213,45 @@ def test_a_short_rest_after_a_cached_prefix_goes_through_the_decode_step(runtime
     assert passes == {False: ["pass"], True: ["step"] * 3}
     assert rows[True].ids == rows[False].ids and rows[True].prefilled_tokens == rows[False].prefilled_tokens == 3
     np.testing.assert_allclose([t.logprob for t in rows[True].logprobs], [t.logprob for t in rows[False].logprobs],
-                               atol=1e-4)
+                               atol=logprob_rounding(runtime))
+
+
+@pytest.mark.parametrize("logprobs", [None, 0], ids=["pipelined", "read-each-step"])
+def test_repeated_prompts_join_together_in_one_step(runtime, prompts, logprobs):
+    """A burst of prompts the prompt cache holds but for their last token (a server's clients asking
+    again) joins in one prefill_chunk() with stepped rests, beside a running row, and takes its
+    first tokens from one batch step: the ids each gets alone with a prefill pass."""
+    def run(stepped):
+        store = PromptCache(1 << 26)
+        seeder = BatchDecoder(runtime.model, runtime.tokenizer, 8, prompt_cache=store)
+        for i, ids in enumerate(prompts):  # each prompt stored, but for its last token
+            seeder.admit(-1 - i, Request(ids[:-1], 1))
+            seeder.prefill_chunk()
+        decoder = BatchDecoder(runtime.model, runtime.tokenizer, 8, prompt_cache=store, stepped_rests=stepped)
+        running = decoder.admit(99, Request(prompts[0][:2], 30, logprobs=logprobs))
+        decoder.prefill_chunk()
+        decoder.step()
+        rows = [decoder.admit(i, Request(ids, n, logprobs=logprobs))
+                for i, (ids, n) in enumerate(zip(prompts, MAX_TOKENS))]
+        assert all(row.cached_tokens == len(ids) - 1 for row, ids in zip(rows, prompts))
+        chunks = 0
+        while decoder.joining:
+            decoder.prefill_chunk()
+            chunks += 1
+        if stepped:
+            assert chunks == 1 and len(decoder.rows) == 1 + len(prompts) and not any(row.ids for row in rows)
+            decoder.step()
+            if logprobs is None:  # pipelined: a token is read one step after it is sampled
+                decoder.step()
+            assert all(len(row.ids) == 1 for row in rows)
+        while decoder.rows:
+            decoder.step()
+        return [row.ids for row in rows + [running]], [[t.logprob for t in row.logprobs] for row in rows]
+
+    (ids, logprobs_passed), (stepped_ids, logprobs_stepped) = run(False), run(True)
+    assert stepped_ids == ids
+    for a, b in zip(logprobs_stepped, logprobs_passed):
+        np.testing.assert_allclose(a, b, atol=logprob_rounding(runtime))
 
 
 def feed_burst(runtime, prompts, group: bool, monkeypatch):
