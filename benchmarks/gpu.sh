@@ -36,6 +36,8 @@
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
+#   bash benchmarks/gpu.sh engine [CLIENTS]       # there: what a served first token waits for, every engine call timed
+#                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
 #                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
@@ -227,6 +229,16 @@ serve_bench() {  # each concurrency: our server, then llama-server, the same cli
 json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in glob.glob('$out/serve-*.json')]"
 }
 
+engine_turns() {  # each engine call under a burst of streaming clients, and each request's wait (#20's TTFT)
+    mkdir -p "$out"
+    local clients
+    for clients in ${1//,/ }; do
+        log "engine turns, $clients clients"
+        timeout 300 python3 benchmarks/engine_turns.py -m "$model" --clients "$clients" --max-batch 16 \
+            --json "$out/engine-turns-$clients.json"
+    done
+}
+
 structured() {  # the price of a constraint's masks, side by side with the same loop without one
     mkdir -p "$out"
     for kernels in 1 0; do
@@ -355,10 +367,11 @@ case ${1:-} in
     test) shift; run_tests "$@" ;;
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
+    engine) engine_turns "${2:-16}" ;;
     structured) structured ;;
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
     kv) kv_depth ;;
     versus) shift; versus "$@" ;;
-    *) sed -n '2,26p' "$0"; exit 2 ;;
+    *) sed -n '2,46p' "$0"; exit 2 ;;
 esac

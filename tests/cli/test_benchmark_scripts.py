@@ -119,3 +119,18 @@ def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
     assert (held["q6_k_bits"], six["q6_k_bits"]) == (8, 6)
     assert held["argmax_flips"] == 0 and six["argmax_flips"] >= 1
     assert six["mean_kl"] > 1.5 * held["mean_kl"]
+
+
+def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
+    """Two clients, two requests each, on chat-tiny: every timed request was admitted and got a first
+    token, repeated questions came from the prompt cache, and the calls account for the steps run."""
+    out = tmp_path / "turns.json"
+    printed = run_script("benchmarks/engine_turns.py", "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                         "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["clients"]["requests"] == 4 and len(report["requests"]) == 4
+    assert all(r["queued_ms"] >= 0 and r["first_token_ms"] > 0 for r in report["requests"])
+    assert any(r["cached_tokens"] > 0 for r in report["requests"])  # the untimed round stored them
+    names = [c["name"] for c in report["calls"]]
+    assert names.count("admit") == 4 and names.count("step") >= 3
+    assert "admitted -> first token on the host" in printed

@@ -1,0 +1,158 @@
+"""What a served request's first token waits for: every call the engine makes under a burst of streaming clients, timed.
+
+    python benchmarks/engine_turns.py [-m MODEL] [--clients 16] [--requests 4] [--max-tokens 128]
+        [--max-batch 16] [--slow-ms 20] [--json OUT]
+
+Runs `mlxllama serve`'s app and engine in this process (uvicorn on a free loopback port, the
+prompt cache at serve's default), times each call the engine makes to its decoder (admit,
+prefill_chunk, step, drop) and when each request was submitted, and drives it with
+serve_bench.py's clients (one untimed round first, as serve_bench's --warmup). Reports the
+clients' TTFT, and for each request how long it waited to be admitted and from admission to its
+first token on the host; then the decoder calls slower than --slow-ms, with the rows and joiners
+around each: what the slow first tokens waited for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from importlib.resources import files
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import serve_bench  # noqa: E402 - the clients, beside this script
+
+import mlxllama  # noqa: E402
+from mlxllama.prompt import choose_template  # noqa: E402
+from mlxllama.sampling import SamplingParams  # noqa: E402
+from mlxllama.server.app import ServerSettings, create_app  # noqa: E402
+from mlxllama.server.engine import Engine  # noqa: E402
+
+DECODER_CALLS = ("admit", "prefill_chunk", "step", "drop")
+
+
+class Timeline:
+    """The decoder's calls, each (name, start, seconds, rows before, joiners before), and each
+    submitted ticket with its submission time; perf_counter's clock, as the rows' own times."""
+
+    def __init__(self, engine: Engine):
+        self.calls: list[tuple[str, float, float, int, int]] = []
+        self.submitted: list[tuple[float, object]] = []
+        decoder = engine.decoder
+        for name in DECODER_CALLS:
+            setattr(decoder, name, self._timed(name, getattr(decoder, name), decoder))
+        submit = engine.submit
+        engine.submit = lambda ticket: (self.submitted.append((time.perf_counter(), ticket)), submit(ticket))[1]
+
+    def _timed(self, name, call, decoder):
+        def timed(*args, **kwargs):
+            rows, joining, start = len(decoder.rows), len(decoder.joining), time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.calls.append((name, start, time.perf_counter() - start, rows, joining))
+        return timed
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.submitted.clear()
+
+    def requests(self) -> list[dict]:
+        """Each ticket's wait in the queue (submitted to admitted) and from admission to its first
+        token on the host, in ms."""
+        out = []
+        for submitted, ticket in self.submitted:
+            row = ticket.row
+            if row is None or row.first_token_time is None:
+                continue
+            out.append({"queued_ms": 1000 * (row.start - submitted), "first_token_ms": 1000 * (row.first_token_time - row.start),
+                        "cached_tokens": row.cached_tokens, "prefilled_tokens": row.prefilled_tokens})
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_in_thread(runtime, engine: Engine, port: int):
+    import uvicorn
+
+    app = create_app(runtime, engine, ServerSettings(choose_template(runtime.chat_template), SamplingParams(), 256),
+                     webui=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "-"
+    values = sorted(values)
+    return (f"p50 {serve_bench.percentile(values, 50):.1f}, p95 {serve_bench.percentile(values, 95):.1f}, "
+            f"max {values[-1]:.1f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", default=str(files("mlxllama.data") / "chat-tiny-Q4_K_M.gguf"))
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--slow-ms", type=float, default=20.0, help="list the decoder calls slower than this")
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+
+    runtime = mlxllama.load(args.model)
+    engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
+    timeline = Timeline(engine)
+    port = free_port()
+    server, thread = serve_in_thread(runtime, engine, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
+        timeline.clear()
+        clients = serve_bench.run(url, args.clients, args.requests, args.max_tokens)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.stop()
+    requests = timeline.requests()
+    by_call = {name: [1000 * seconds for n, _, seconds, _, _ in timeline.calls if n == name] for name in DECODER_CALLS}
+    slow = [c for c in timeline.calls if 1000 * c[2] > args.slow_ms]
+    start = min((c[1] for c in timeline.calls), default=0.0)
+    print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens each: "
+          f"{clients['tokens_per_second']:.1f} t/s, TTFT p50 {clients['ttft_p50_ms']:.1f} / p95 {clients['ttft_p95_ms']:.1f} ms")
+    print(f"queued (submitted -> admitted), ms: {summary([r['queued_ms'] for r in requests])}")
+    print(f"admitted -> first token on the host, ms: {summary([r['first_token_ms'] for r in requests])}")
+    for name, ms in by_call.items():
+        print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
+    print(f"calls over {args.slow_ms:g} ms: {len(slow)}")
+    for name, at, seconds, rows, joining in slow[:40]:
+        print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms  rows {rows:2d}  joining {joining:2d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "clients": clients, "requests": requests,
+                       "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j}
+                                 for n, at, s, r, j in timeline.calls],
+                       "mean_step_ms": statistics.fmean(by_call["step"]) if by_call["step"] else None}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
+    # As `mlxllama serve` leaves: MLX (0.32) aborts in the interpreter's teardown when it frees
+    # arrays made by the engine's thread, which is gone by then.
+    sys.stdout.flush()
+    os._exit(0)
