@@ -39,11 +39,12 @@ DECODER_CALLS = ("admit", "prefill_chunk", "step", "drop")
 
 
 class Timeline:
-    """The decoder's calls, each (name, start, seconds, rows before, joiners before), and each
-    submitted ticket with its submission time; perf_counter's clock, as the rows' own times."""
+    """The decoder's calls, each (name, start, seconds, rows before, joiners before, the first
+    joiner's prompt tokens not yet fed and those already in its cache), and each submitted ticket
+    with its submission time; perf_counter's clock, as the rows' own times."""
 
     def __init__(self, engine: Engine):
-        self.calls: list[tuple[str, float, float, int, int]] = []
+        self.calls: list[tuple[str, float, float, int, int, int, int]] = []
         self.submitted: list[tuple[float, object]] = []
         decoder = engine.decoder
         for name in DECODER_CALLS:
@@ -53,11 +54,13 @@ class Timeline:
 
     def _timed(self, name, call, decoder):
         def timed(*args, **kwargs):
+            first = decoder.joining[0] if decoder.joining else None
+            rest, fed = (len(first.row.request.ids) - first.fed, first.fed) if first else (0, 0)
             rows, joining, start = len(decoder.rows), len(decoder.joining), time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                self.calls.append((name, start, time.perf_counter() - start, rows, joining))
+                self.calls.append((name, start, time.perf_counter() - start, rows, joining, rest, fed))
         return timed
 
     def clear(self) -> None:
@@ -72,7 +75,8 @@ class Timeline:
             row = ticket.row
             if row is None or row.first_token_time is None:
                 continue
-            out.append({"queued_ms": 1000 * (row.start - submitted), "first_token_ms": 1000 * (row.first_token_time - row.start),
+            out.append({"queued_ms": 1000 * (row.start - submitted),
+                        "first_token_ms": 1000 * (row.first_token_time - row.start),
                         "cached_tokens": row.cached_tokens, "prefilled_tokens": row.prefilled_tokens})
         return out
 
@@ -130,23 +134,25 @@ def main():
         thread.join(timeout=30)
         engine.stop()
     requests = timeline.requests()
-    by_call = {name: [1000 * seconds for n, _, seconds, _, _ in timeline.calls if n == name] for name in DECODER_CALLS}
+    by_call = {name: [1000 * c[2] for c in timeline.calls if c[0] == name] for name in DECODER_CALLS}
     slow = [c for c in timeline.calls if 1000 * c[2] > args.slow_ms]
     start = min((c[1] for c in timeline.calls), default=0.0)
     print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens each: "
-          f"{clients['tokens_per_second']:.1f} t/s, TTFT p50 {clients['ttft_p50_ms']:.1f} / p95 {clients['ttft_p95_ms']:.1f} ms")
+          f"{clients['tokens_per_second']:.1f} t/s, "
+          f"TTFT p50 {clients['ttft_p50_ms']:.1f} / p95 {clients['ttft_p95_ms']:.1f} ms")
     print(f"queued (submitted -> admitted), ms: {summary([r['queued_ms'] for r in requests])}")
     print(f"admitted -> first token on the host, ms: {summary([r['first_token_ms'] for r in requests])}")
     for name, ms in by_call.items():
         print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
     print(f"calls over {args.slow_ms:g} ms: {len(slow)}")
-    for name, at, seconds, rows, joining in slow[:40]:
-        print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms  rows {rows:2d}  joining {joining:2d}")
+    for name, at, seconds, rows, joining, rest, fed in slow[:40]:
+        print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms  rows {rows:2d}"
+              f"  joining {joining:2d}  first joiner: {rest} to feed after {fed}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "clients": clients, "requests": requests,
-                       "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j}
-                                 for n, at, s, r, j in timeline.calls],
+                       "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,
+                                  "rest": rest, "fed": fed} for n, at, s, r, j, rest, fed in timeline.calls],
                        "mean_step_ms": statistics.fmean(by_call["step"]) if by_call["step"] else None}, f, indent=1)
 
 
