@@ -272,10 +272,10 @@ class BatchDecoder:
         prompts together). Once a whole prompt is in, its first token is sampled and the row joins
         the batch; the rows that token finished are returned. With stepped rests, every joiner whose
         rest is stepped joins first, and alone: their first tokens come with the next step."""
-        stepped = [self._steps_in(j) for j in self.joining]
-        if any(stepped):
-            joiners, self.joining = self.joining, deque(j for j, s in zip(self.joining, stepped) if not s)
-            for joining in (j for j, s in zip(joiners, stepped) if s):
+        stepped = [j for j in self.joining if self._steps_in(j)]
+        if stepped:
+            self.joining = deque(j for j in self.joining if not self._steps_in(j))
+            for joining in stepped:
                 self._step_in(joining)
             return []
         group = self._group()
