@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import serve_bench  # noqa: E402 - the clients, beside this script
 
 import mlxllama  # noqa: E402
+from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.prompt import choose_template  # noqa: E402
 from mlxllama.sampling import SamplingParams  # noqa: E402
 from mlxllama.server.app import ServerSettings, create_app  # noqa: E402
@@ -119,7 +120,11 @@ def main():
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
 
-    runtime = mlxllama.load(args.model)
+    try:
+        runtime = mlxllama.load(args.model)
+    except MlxLlamaError as e:
+        print(f"engine_turns.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
     timeline = Timeline(engine)
     port = free_port()

@@ -134,3 +134,12 @@ def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     names = [c["name"] for c in report["calls"]]
     assert names.count("admit") == 4 and names.count("step") >= 3
     assert "admitted -> first token on the host" in printed
+
+
+def test_engine_turns_names_a_bad_model_in_one_line(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(open(find_fixture_model("chat-tiny-Q4_K_M.gguf"), "rb").read(1000))
+    result = subprocess.run([sys.executable, "benchmarks/engine_turns.py", "-m", str(truncated)], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "truncated or corrupt" in result.stderr
