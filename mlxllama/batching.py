@@ -277,6 +277,7 @@ class BatchDecoder:
             self.joining = deque(j for j in self.joining if not self._steps_in(j))
             for joining in stepped:
                 self._step_in(joining)
+            self._join(stepped)
             return []
         group = self._group()
         if len(group) > 1:
@@ -290,7 +291,7 @@ class BatchDecoder:
             mx.eval([c.state for c in joining.cache])
             return []
         self.joining.popleft()
-        return self._joined(joining, self.model.head(hidden[:, -1:])[0, -1])
+        return self._joined([joining], [self.model.head(hidden[:, -1:])[0, -1]])
 
     def _steps_in(self, joining: Joining) -> bool:
         rest = len(joining.row.request.ids) - joining.fed
@@ -299,12 +300,12 @@ class BatchDecoder:
     def _step_in(self, joining: Joining) -> None:
         """A joiner's short rest after its cached prefix fed one token a decode step (model.step:
         the CUDA kernels where they run), as a sequence's generated tokens are, but for its last,
-        which the batch's next step feeds (Row.last_id) and samples its first token from."""
+        which the batch's next step feeds (Row.last_id) and samples its first token from; the
+        caller joins it to the batch."""
         ids = joining.row.request.ids
         for token in ids[joining.fed : -1]:
             self.model.step(mx.array([[token]]), joining.cache)
         joining.fed_through(len(ids) - joining.fed)
-        self._join(joining.row, joining.cache)
 
     def _group(self) -> list[Joining]:
         """The joining prompts at the front of the queue (a prefix of it) whose rests, padded to the
@@ -329,8 +330,7 @@ class BatchDecoder:
         width = max(map(len, rests))
         cache = self.model.make_batch_cache()
         for i, layer in enumerate(cache):
-            for joining in group:
-                layer.add(joining.cache[i])
+            layer.extend([joining.cache[i] for joining in group])
         pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
         hidden = self.model.hidden_states(mx.array([rest + [pad] * (width - len(rest)) for rest in rests]), cache)
         lengths = [j.fed + len(rest) for j, rest in zip(group, rests)]
@@ -338,34 +338,37 @@ class BatchDecoder:
             layer.cut_rows(lengths)
         last = mx.stack([hidden[i, len(rest) - 1] for i, rest in enumerate(rests)])
         logits = self.model.head(last)
-        finished = []
         for i, (joining, rest) in enumerate(zip(group, rests)):
             self.joining.popleft()  # the group is the queue's front
             joining.fed_through(len(rest))
             joining.cache = [layer.single(i) for layer in cache]
-            finished += self._joined(joining, logits[i])
-        return finished
+        return self._joined(group, [logits[i] for i in range(len(group))])
 
-    def _joined(self, joining: Joining, last: mx.array) -> list[Row]:
-        """A prompt all fed, `last` its last position's logits: store it, sample the first token,
-        and join the batch unless that token finished the row ([row] then)."""
-        ids = joining.row.request.ids
-        if self.prompt_cache is not None and all(c.start == 0 for c in joining.cache):  # none dropped: in order
-            self.prompt_cache.store(ids, [(c.keys, c.values) for c in joining.cache])
-        row = joining.row
-        if row.accept(row.choose(last), last):
-            return [row]
-        self._join(row, joining.cache)
-        return []
+    def _joined(self, joined: list[Joining], logits: list[mx.array]) -> list[Row]:
+        """Prompts all fed, logits[i] the last position's of joined[i]: each stored and its first
+        token sampled; those it did not finish join the batch, together. The rows it finished."""
+        finished, staying = [], []
+        for joiner, last in zip(joined, logits):
+            ids = joiner.row.request.ids
+            if self.prompt_cache is not None and all(c.start == 0 for c in joiner.cache):  # none dropped: in order
+                self.prompt_cache.store(ids, [(c.keys, c.values) for c in joiner.cache])
+            row = joiner.row
+            (finished if row.accept(row.choose(last), last) else staying).append(joiner)
+        self._join(staying)
+        return [joiner.row for joiner in finished]
 
-    def _join(self, row: Row, cache: list) -> None:
-        """The row and its cache into the batch: its next input is its last id, which the host has."""
-        for layer, row_layer in zip(self.cache, cache):
-            layer.add(row_layer)
-        self.rows.append(row)
+    def _join(self, joined: list[Joining]) -> None:
+        """The rows and their caches into the batch, in one copy of its cache: each row's next
+        input is its last id, which the host has."""
+        if not joined:
+            return
+        for i, layer in enumerate(self.cache):
+            layer.extend([joiner.cache[i] for joiner in joined])
+        self.rows += [joiner.row for joiner in joined]
         if self.inputs is not None:
-            self.inputs = mx.concatenate([self.inputs, mx.array([row.last_id], self.inputs.dtype)])
-        self.unread.append(False)
+            ids = mx.array([joiner.row.last_id for joiner in joined], self.inputs.dtype)
+            self.inputs = mx.concatenate([self.inputs, ids])
+        self.unread += [False] * len(joined)
 
     def step(self) -> list[Row]:
         """One decode step of every row (with speculation, a check of each row's drafts: up to k + 1
