@@ -175,9 +175,11 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
         assert (b.cached_tokens, b.prefilled_tokens) == (a.cached_tokens, a.prefilled_tokens)
         np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
                                    atol=logprob_rounding(runtime))
-    for a, b, row in zip(keys_alone, keys_together, alone):
+    for (a, level), (b, _), row in zip(keys_alone, keys_together, alone):
         n = len(row.request.ids)
-        np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=key_rounding(runtime))
+        # Stored at 8 bits, a key that rounds apart in float16 may land one level over (on an H100).
+        bar = key_rounding(runtime) + (level if runtime.model.compute_dtype != mx.float32 else 0.0)
+        np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=bar)
 
 
 def test_fresh_prompts_fed_together_into_a_quantized_cache(runtime, prompts):
@@ -287,6 +289,15 @@ def test_repeated_prompts_join_together_in_one_step(runtime, prompts, logprobs, 
         np.testing.assert_allclose(a, b, atol=logprob_rounding(runtime))
 
 
+def first_layer_keys(decoder: BatchDecoder, row: int) -> tuple[np.ndarray, float]:
+    """Row `row`'s keys in the first layer, dequantized where the cache stores them quantized, and
+    the largest step between two levels of that quantization (0 unquantized)."""
+    keys, values = decoder.cache[0].row(row)
+    if not isinstance(keys, tuple):
+        return np.array(keys), 0.0
+    return np.array(decoder.cache[0].quantization.decode(keys, values)[0]), float(keys[1].max())
+
+
 def feed_burst(runtime, prompts, group: bool, monkeypatch):
     """Every prompt admitted at once, the last continuing a stored prefix of itself, then prefilled
     and decoded to its end: the shapes fed, each row's first-layer keys as stored, and the rows."""
@@ -302,7 +313,7 @@ def feed_burst(runtime, prompts, group: bool, monkeypatch):
     while decoder.joining:
         assert decoder.prefill_chunk() == []
     monkeypatch.undo()
-    keys = [np.array(kv_arrays(decoder.cache[0].row(i)[0])[0]) for i in range(6)]
+    keys = [first_layer_keys(decoder, i) for i in range(6)]
     while decoder.rows:
         decoder.step()
     return fed, keys, rows
