@@ -8,13 +8,15 @@ prompt cache at serve's default), times each call the engine makes to its decode
 prefill_chunk, step, drop) and when each request was submitted, and drives it with
 serve_bench.py's clients (one untimed round first, as serve_bench's --warmup). Reports the
 clients' TTFT, and for each request how long it waited to be admitted and from admission to its
-first token on the host; then the decoder calls slower than --slow-ms, with the rows and joiners
-around each: what the slow first tokens waited for.
+first token on the host, and how late the server's event loop ran a callback asked for every
+millisecond; then the decoder calls slower than --slow-ms, with the engine thread's CPU time in
+each and the rows and joiners around it: what the slow first tokens waited for.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -41,11 +43,13 @@ DECODER_CALLS = ("admit", "prefill_chunk", "step", "drop")
 
 class Timeline:
     """The decoder's calls, each (name, start, seconds, rows before, joiners before, the first
-    joiner's prompt tokens not yet fed and those already in its cache), and each submitted ticket
-    with its submission time; perf_counter's clock, as the rows' own times."""
+    joiner's prompt tokens not yet fed and those already in its cache, and the CPU seconds the
+    engine's thread spent in it: a call much longer than its CPU time waited, for the device or for
+    the GIL), and each submitted ticket with its submission time; perf_counter's clock, as the rows'
+    own times."""
 
     def __init__(self, engine: Engine):
-        self.calls: list[tuple[str, float, float, int, int, int, int]] = []
+        self.calls: list[tuple[str, float, float, int, int, int, int, float]] = []
         self.submitted: list[tuple[float, object]] = []
         decoder = engine.decoder
         for name in DECODER_CALLS:
@@ -57,11 +61,13 @@ class Timeline:
         def timed(*args, **kwargs):
             first = decoder.joining[0] if decoder.joining else None
             rest, fed = (len(first.row.request.ids) - first.fed, first.fed) if first else (0, 0)
-            rows, joining, start = len(decoder.rows), len(decoder.joining), time.perf_counter()
+            rows, joining = len(decoder.rows), len(decoder.joining)
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return call(*args, **kwargs)
             finally:
-                self.calls.append((name, start, time.perf_counter() - start, rows, joining, rest, fed))
+                self.calls.append((name, start, time.perf_counter() - start, rows, joining, rest, fed,
+                                   time.thread_time() - cpu))
         return timed
 
     def clear(self) -> None:
@@ -88,13 +94,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_in_thread(runtime, engine: Engine, port: int):
+class LoopLag:
+    """How late the server's event loop runs a callback asked for every millisecond: while it is
+    busy (the streams' chunks, the requests' templates, the GIL held by the engine's thread), a new
+    request's handling and every first token it sends out wait as long."""
+
+    def __init__(self):
+        self.lags: list[float] = []
+        self.measuring = False
+
+    async def probe(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            if self.measuring:
+                self.lags.append(1000 * (time.perf_counter() - asked - 0.001))
+
+
+def serve_in_thread(runtime, engine: Engine, port: int, lag: LoopLag):
     import uvicorn
 
     app = create_app(runtime, engine, ServerSettings(choose_template(runtime.chat_template), SamplingParams(), 256),
                      webui=False)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+
+    async def serve() -> None:
+        probe = asyncio.create_task(lag.probe())
+        await server.serve()
+        probe.cancel()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
@@ -128,11 +157,13 @@ def main():
     engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
     timeline = Timeline(engine)
     port = free_port()
-    server, thread = serve_in_thread(runtime, engine, port)
+    lag = LoopLag()
+    server, thread = serve_in_thread(runtime, engine, port, lag)
     url = f"http://127.0.0.1:{port}"
     try:
         serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
         timeline.clear()
+        lag.measuring = True
         clients = serve_bench.run(url, args.clients, args.requests, args.max_tokens)
     finally:
         server.should_exit = True
@@ -147,17 +178,21 @@ def main():
           f"TTFT p50 {clients['ttft_p50_ms']:.1f} / p95 {clients['ttft_p95_ms']:.1f} ms")
     print(f"queued (submitted -> admitted), ms: {summary([r['queued_ms'] for r in requests])}")
     print(f"admitted -> first token on the host, ms: {summary([r['first_token_ms'] for r in requests])}")
+    print(f"submitted -> first token on the host, ms: "
+          f"{summary([r['queued_ms'] + r['first_token_ms'] for r in requests])}")
+    print(f"event loop lag (a 1 ms sleep's lateness), ms: {summary(lag.lags)}")
     for name, ms in by_call.items():
         print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
     print(f"calls over {args.slow_ms:g} ms: {len(slow)}")
-    for name, at, seconds, rows, joining, rest, fed in slow[:40]:
-        print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms  rows {rows:2d}"
-              f"  joining {joining:2d}  first joiner: {rest} to feed after {fed}")
+    for name, at, seconds, rows, joining, rest, fed, cpu in slow[:40]:
+        print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms (CPU {1000 * cpu:5.1f})"
+              f"  rows {rows:2d}  joining {joining:2d}  first joiner: {rest} to feed after {fed}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "clients": clients, "requests": requests,
+            json.dump({"model": args.model, "clients": clients, "requests": requests, "loop_lag_ms": lag.lags,
                        "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,
-                                  "rest": rest, "fed": fed} for n, at, s, r, j, rest, fed in timeline.calls],
+                                  "rest": rest, "fed": fed, "cpu_ms": 1000 * cpu}
+                                 for n, at, s, r, j, rest, fed, cpu in timeline.calls],
                        "mean_step_ms": statistics.fmean(by_call["step"]) if by_call["step"] else None}, f, indent=1)
 
 
