@@ -1,7 +1,7 @@
 """What a served request's first token waits for: every call the engine makes under a burst of streaming clients, timed.
 
     python benchmarks/engine_turns.py [-m MODEL] [--clients 16] [--requests 4] [--max-tokens 128]
-        [--max-batch 16] [--slow-ms 20] [--json OUT]
+        [--max-batch 16] [--slow-ms 20] [--eval-joins] [--json OUT]
 
 Runs `mlxllama serve`'s app and engine in this process (uvicorn on a free loopback port, the
 prompt cache at serve's default), times each call the engine makes to its decoder (admit,
@@ -10,7 +10,10 @@ serve_bench.py's clients (one untimed round first, as serve_bench's --warmup). R
 clients' TTFT, and for each request how long it waited to be admitted and from admission to its
 first token on the host, and how late the server's event loop ran a callback asked for every
 millisecond; then the decoder calls slower than --slow-ms, with the engine thread's CPU time in
-each and the rows and joiners around it: what the slow first tokens waited for.
+each and the rows and joiners around it: what the slow first tokens waited for. With
+--eval-joins, each prefill_chunk is followed by a call of its own (eval_joins) that computes the
+batch cache and waits for the device, so the joins' copies are timed apart from the step after
+them (which otherwise computes them).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import serve_bench  # noqa: E402 - the clients, beside this script
 
+import mlx.core as mx  # noqa: E402
+
 import mlxllama  # noqa: E402
+from mlxllama.cache import kv_arrays  # noqa: E402
 from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.prompt import choose_template  # noqa: E402
 from mlxllama.sampling import SamplingParams  # noqa: E402
@@ -39,6 +45,8 @@ from mlxllama.server.app import ServerSettings, create_app  # noqa: E402
 from mlxllama.server.engine import Engine  # noqa: E402
 
 DECODER_CALLS = ("admit", "prefill_chunk", "step", "drop")
+# With --eval-joins: the batch cache evaluated, and the device waited for, after each prefill_chunk.
+JOINS = "eval_joins"
 
 
 class Timeline:
@@ -48,12 +56,15 @@ class Timeline:
     the GIL), and each submitted ticket with its submission time; perf_counter's clock, as the rows'
     own times."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, eval_joins: bool = False):
         self.calls: list[tuple[str, float, float, int, int, int, int, float]] = []
         self.submitted: list[tuple[float, object]] = []
         decoder = engine.decoder
         for name in DECODER_CALLS:
             setattr(decoder, name, self._timed(name, getattr(decoder, name), decoder))
+        if eval_joins:
+            prefill_chunk, evaluated = decoder.prefill_chunk, self._timed(JOINS, lambda: evaluate(decoder.cache), decoder)
+            decoder.prefill_chunk = lambda: (prefill_chunk(), evaluated())[0]
         submit = engine.submit
         engine.submit = lambda ticket: (self.submitted.append((time.perf_counter(), ticket)), submit(ticket))[1]
 
@@ -86,6 +97,12 @@ class Timeline:
                         "first_token_ms": 1000 * (row.first_token_time - row.start),
                         "cached_tokens": row.cached_tokens, "prefilled_tokens": row.prefilled_tokens})
         return out
+
+
+def evaluate(cache) -> None:
+    """The batch cache's buffers computed, and the device idle: the joins' copies done."""
+    mx.eval([a for layer in cache if layer.keys is not None for b in (layer.keys, layer.values) for a in kv_arrays(b)])
+    mx.synchronize()
 
 
 def free_port() -> int:
@@ -146,6 +163,9 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--slow-ms", type=float, default=20.0, help="list the decoder calls slower than this")
+    parser.add_argument("--eval-joins", action="store_true",
+                        help="evaluate the batch cache after each prefill_chunk, timed apart (eval_joins): what the"
+                             " joins cost the device, apart from the step after them")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
 
@@ -155,7 +175,7 @@ def main():
         print(f"engine_turns.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
-    timeline = Timeline(engine)
+    timeline = Timeline(engine, args.eval_joins)
     port = free_port()
     lag = LoopLag()
     server, thread = serve_in_thread(runtime, engine, port, lag)
@@ -170,7 +190,8 @@ def main():
         thread.join(timeout=30)
         engine.stop()
     requests = timeline.requests()
-    by_call = {name: [1000 * c[2] for c in timeline.calls if c[0] == name] for name in DECODER_CALLS}
+    by_call = {name: [1000 * c[2] for c in timeline.calls if c[0] == name]
+               for name in DECODER_CALLS + ((JOINS,) if args.eval_joins else ())}
     slow = [c for c in timeline.calls if 1000 * c[2] > args.slow_ms]
     start = min((c[1] for c in timeline.calls), default=0.0)
     print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens each: "

@@ -36,8 +36,9 @@
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
 #   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
-#   bash benchmarks/gpu.sh engine [CLIENTS]       # there: what a served first token waits for, every engine call timed
-#                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py)
+#   bash benchmarks/gpu.sh engine [CLIENTS [ARGS]] # there: what a served first token waits for, every engine call timed
+#                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py
+#                                                 # ARGS, e.g. --eval-joins)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
 #                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
@@ -231,11 +232,12 @@ json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in 
 
 engine_turns() {  # each engine call under a burst of streaming clients, and each request's wait (#20's TTFT)
     mkdir -p "$out"
-    local clients
-    for clients in ${1//,/ }; do
+    local clients list=${1:-16}
+    shift
+    for clients in ${list//,/ }; do
         log "engine turns, $clients clients"
         timeout 300 python3 benchmarks/engine_turns.py -m "$model" --clients "$clients" --max-batch 16 \
-            --json "$out/engine-turns-$clients.json"
+            --json "$out/engine-turns-$clients.json" "$@"
     done
 }
 
@@ -367,7 +369,7 @@ case ${1:-} in
     test) shift; run_tests "$@" ;;
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" ;;
-    engine) engine_turns "${2:-16}" ;;
+    engine) shift; engine_turns "${1:-16}" "${@:2}" ;;
     structured) structured ;;
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;

@@ -132,8 +132,20 @@ def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     assert all(r["queued_ms"] >= 0 and r["first_token_ms"] > 0 for r in report["requests"])
     assert any(r["cached_tokens"] > 0 for r in report["requests"])  # the untimed round stored them
     names = [c["name"] for c in report["calls"]]
-    assert names.count("admit") == 4 and names.count("step") >= 3
-    assert "admitted -> first token on the host" in printed
+    assert names.count("admit") == 4 and names.count("step") >= 3 and "eval_joins" not in names
+    assert all(0 <= c["cpu_ms"] for c in report["calls"]) and report["loop_lag_ms"]
+    assert "admitted -> first token on the host" in printed and "event loop lag" in printed
+
+
+def test_engine_turns_times_the_joins_apart_when_asked(tmp_path):
+    """--eval-joins: every prefill_chunk is followed by the joins' evaluation, timed as a call of its own."""
+    out = tmp_path / "turns.json"
+    printed = run_script("benchmarks/engine_turns.py", "--clients", "2", "--requests", "1", "--max-tokens", "2",
+                         "--eval-joins", "--json", str(out))
+    names = [c["name"] for c in json.loads(out.read_text())["calls"]]
+    chunks = [i for i, name in enumerate(names) if name == "prefill_chunk"]
+    assert chunks and all(names[i + 1] == "eval_joins" for i in chunks)
+    assert names.count("eval_joins") == len(chunks) and "eval_joins" in printed
 
 
 def test_engine_turns_names_a_bad_model_in_one_line(tmp_path):
