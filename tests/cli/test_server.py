@@ -206,7 +206,8 @@ def test_logit_bias_and_penalties_are_those_of_generate(client, runtime):
 
 def test_a_burst_of_32_streaming_clients_is_answered_in_full_and_frees_its_memory(server, runtime):
     """32 clients at once, 4 streamed requests each: every request answered with its single-request
-    text, and MLX's memory in the server back to its level before the burst."""
+    text, and MLX's memory in the server back to its level before the burst (after a first burst,
+    which makes what the server keeps)."""
     questions = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is 3 plus 4?",
                  "What is the capital of France?", "Hello!", "What is the opposite of cold?", "What is 9 plus 9?"]
     expected = {}
@@ -227,16 +228,24 @@ def test_a_burst_of_32_streaming_clients_is_answered_in_full_and_frees_its_memor
     def held(health: dict) -> int:  # MLX's memory less what the prompt cache holds on purpose
         return health["active_memory_bytes"] - health["prompt_cache_bytes"]
 
+    def burst() -> list[tuple[str, str]]:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            return [answer for answers in pool.map(one_client, range(32)) for answer in answers]
+
+    # A first burst makes what the server makes once and keeps (the batch shapes' compiled steps,
+    # its allocator's cache): the memory claim is that a burst leaves nothing behind.
+    burst()
     before = httpx.get(f"{server.url}/health").json()
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        results = [answer for answers in pool.map(one_client, range(32)) for answer in answers]
+    results = burst()
     assert len(results) == 128
     assert [text for _, text in results] == [expected[question] for question, _ in results]
     after = httpx.get(f"{server.url}/health").json()
     assert after["requests_running"] == after["requests_waiting"] == 0
     # One finished row's KV cache here is 786 KB (6 layers of 2 x [2, 256, 32] float32): a leaked
-    # row, slot or batch buffer would exceed this margin; a few bytes of bookkeeping may differ.
-    assert held(after) <= held(before) + 4096
+    # row, slot or batch buffer would exceed this margin. Between two bursts the memory moved by
+    # -78 to +15 KB (arrays that Python's cyclic garbage holds until it is collected); the first
+    # burst alone left up to 271 KB of what is made once.
+    assert held(after) <= held(before) + (256 << 10)
     assert after["prompt_cache_bytes"] <= PROMPT_CACHE_MB << 20
 
 
