@@ -342,7 +342,7 @@ class BatchDecoder:
             self.joining.popleft()  # the group is the queue's front
             joining.fed_through(len(rest))
             joining.cache = [layer.single(i) for layer in cache]
-        return self._joined(group, [logits[i] for i in range(len(group))])
+        return self._joined(group, list(logits))
 
     def _joined(self, joined: list[Joining], logits: list[mx.array]) -> list[Row]:
         """Prompts all fed, logits[i] the last position's of joined[i]: each stored and its first
