@@ -358,8 +358,8 @@ class BatchDecoder:
         return [joiner.row for joiner in finished]
 
     def _join(self, joined: list[Joining]) -> None:
-        """The rows and their caches into the batch, in one copy of its cache: each row's next
-        input is its last id, which the host has."""
+        """The rows and their caches into the batch, each copied once (BatchKVCache.extend): each
+        row's next input is its last id, which the host has."""
         if not joined:
             return
         for i, layer in enumerate(self.cache):

@@ -370,6 +370,28 @@ def test_rows_added_together_equal_rows_added_in_turn(start):
     assert together.quantized == (start is not None)
 
 
+@pytest.mark.parametrize("joiners", [1, 4, 12])
+def test_a_burst_of_joiners_costs_one_copy_a_joiner(joiners):
+    """Each buffer of a burst's join is one zeroed array, the rows before copied in once and each
+    joiner once: 2 + k launches a buffer. MLX's CUDA backend builds a CUDA graph anew for every new
+    sequence of launches, so a burst's cost on the host goes with this count (padding each joiner
+    and concatenating took 3k + 1: a served burst's first step was 2-3 times as long)."""
+    layer = make_batch_cache([0])[0]
+    for length in (3, 7):
+        running = make_cache([0])[0]
+        running.update_and_fetch(mx.ones((1, 2, length, 32)), mx.ones((1, 2, length, 32)))
+        layer.add(running)
+    mx.eval(layer.keys, layer.values)
+    caches = []
+    for n in range(joiners):
+        cache = make_cache([0])[0]
+        cache.update_and_fetch(mx.ones((1, 2, 5 + n, 32)), mx.ones((1, 2, 5 + n, 32)))
+        mx.eval(cache.keys, cache.values)
+        caches.append(cache)
+    layer.extend(caches)
+    assert launches([layer.keys, layer.values]) == {"Full": 2, "SliceUpdate": 2 * (1 + joiners)}
+
+
 def test_batch_cache_builds_its_offset_once_per_change():
     """RoPE, the mask and the update of a step all read one offset array; it follows every change of lengths."""
     layer = make_batch_cache([0])[0]
