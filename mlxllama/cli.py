@@ -516,7 +516,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     """
     from .cache import check_kv_size
     from .prompt import choose_template
-    from .server import DRAFT_ROOM, check_listen, serve
+    from .server import DRAFT_ROOM, check_listen, launch_without_cuda_graphs, serve
 
     try:
         from .server.app import ServerSettings
@@ -529,6 +529,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     params = sampling_params(sampling)
     if world().is_root:
         check_listen(host, port, api_key)
+    launch_without_cuda_graphs()
     runtime = load_model(model_path)
     draft = load_draft(draft_model, lookup)
     if not world().is_root:  # rank 0 serves; this rank runs its part of the model as rank 0's engine says

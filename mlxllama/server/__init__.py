@@ -14,6 +14,18 @@ from ..errors import MlxLlamaError
 # With --max-kv-size, the slots past each row's window kept for speculative decoding's drafts: a
 # request may draft this many tokens at a time (or the server's --draft-tokens, if more).
 DRAFT_ROOM = 16
+# MLX's CUDA backend records its launches into CUDA graphs of about 100 launches each, and builds
+# (instantiates) a graph anew for every sequence of launches it has not met before, on the host.
+# A served burst's joins and stores are such new sequences every time: on an H100 the server's
+# TTFT p95 at 16 clients was 117-143 ms with the graphs off against 141-214 ms with them, in four
+# alternating rounds, at the same throughput (docs/benchmarks.md). MLX reads this at its first launch.
+CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+
+
+def launch_without_cuda_graphs() -> None:
+    """Have MLX's CUDA backend launch kernels one by one in this process, unless the environment
+    already says (elsewhere the setting means nothing); before anything runs on the device."""
+    os.environ.setdefault(CUDA_GRAPHS_ENV, "0")
 
 
 def is_loopback(host: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,8 +14,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 
 import mlxllama
+from mlxllama.cli import main
+from mlxllama.errors import MlxLlamaError
 
 from conftest import PACKAGE_DATA, REPO, Server
 
@@ -157,6 +161,24 @@ def test_a_host_other_machines_reach_needs_a_key():
     assert result.returncode == 2
     assert result.stderr == ("mlxllama: error: --host 0.0.0.0 is reachable from other machines:"
                              " give --api-key KEY too\n")
+
+
+@pytest.mark.parametrize("given, seen", [(None, "0"), ("1", "1")])
+def test_serve_turns_cuda_graphs_off_before_the_model_loads_unless_told(monkeypatch, given, seen):
+    """MLX reads MLX_USE_CUDA_GRAPHS at its first launch, so serve sets it before loading anything."""
+    if given is None:
+        monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", given)
+    at_load = []
+
+    def load_model(path, *args, **kwargs):
+        at_load.append(os.environ.get("MLX_USE_CUDA_GRAPHS"))
+        raise MlxLlamaError("stopped before loading")
+
+    monkeypatch.setattr("mlxllama.cli.load_model", load_model)
+    result = CliRunner().invoke(main, ["serve", "-m", str(MODEL), "--port", "0"])
+    assert (result.exit_code, at_load) == (2, [seen]), result.output
 
 
 @pytest.fixture(scope="module")
