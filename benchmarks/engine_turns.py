@@ -1,25 +1,36 @@
 """What a served request's first token waits for: every call the engine makes under a burst of streaming clients, timed.
 
     python benchmarks/engine_turns.py [-m MODEL] [--clients 16] [--requests 4] [--max-tokens 128]
-        [--max-batch 16] [--slow-ms 20] [--eval-joins] [--json OUT]
+        [--max-batch 16] [--slow-ms 20] [--eval-joins] [--split-step] [--json OUT]
 
 Runs `mlxllama serve`'s app and engine in this process (uvicorn on a free loopback port, the
-prompt cache at serve's default), times each call the engine makes to its decoder (admit,
-prefill_chunk, step, drop) and when each request was submitted, and drives it with
-serve_bench.py's clients (one untimed round first, as serve_bench's --warmup). Reports the
-clients' TTFT, and for each request how long it waited to be admitted and from admission to its
-first token on the host, and how late the server's event loop ran a callback asked for every
-millisecond; then the decoder calls slower than --slow-ms, with the engine thread's CPU time in
-each and the rows and joiners around it: what the slow first tokens waited for. With
---eval-joins, each prefill_chunk is followed by a call of its own (eval_joins) that computes the
-batch cache and waits for the device, so the joins' copies are timed apart from the step after
-them (which otherwise computes them).
+prompt cache at serve's default, MLX's CUDA graphs off as serve has them unless the environment
+sets MLX_USE_CUDA_GRAPHS), times each call the engine makes to its decoder (admit, prefill_chunk,
+step, drop) and when each request was submitted, and drives it with serve_bench.py's clients (one
+untimed round first, as serve_bench's --warmup). Reports:
+- the clients' TTFT; for each request how long it waited to be admitted, and from admission to its
+  first token on the host;
+- how late the server's event loop ran a callback asked for every millisecond;
+- what the app did with each request on its event loop: when it arrived, was handed to the engine,
+  and had its first text chunk out (the rest of a client's TTFT is the client, the connection and
+  uvicorn's HTTP);
+- the garbage collector's pauses, which stop every thread;
+- the decoder calls slower than --slow-ms, with the engine thread's CPU time in each and the rows
+  and joiners around it: what the slow first tokens waited for.
+With --eval-joins, each prefill_chunk is followed by a call of its own (eval_joins) that computes
+the batch cache and waits for the device, so the joins' copies are timed apart from the step after
+them (which otherwise computes them). With --split-step, each step's time is split into what MLX's
+compile traced (the kernels' step meeting a new shape), what mx.async_eval and mx.eval took on the
+host (encoding the graph: the joins' lazy copies with it, and the prompt cache's stores), and the
+wait for the sampled tokens (tolist); the rest is Python building the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import gc
 import json
 import os
 import socket
@@ -41,12 +52,15 @@ from mlxllama.cache import kv_arrays  # noqa: E402
 from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.prompt import choose_template  # noqa: E402
 from mlxllama.sampling import SamplingParams  # noqa: E402
-from mlxllama.server.app import ServerSettings, create_app  # noqa: E402
+from mlxllama.server import launch_without_cuda_graphs  # noqa: E402
+from mlxllama.server.app import Api, Completion, OpenAICompletion, ServerSettings, create_app  # noqa: E402
 from mlxllama.server.engine import Engine  # noqa: E402
 
 DECODER_CALLS = ("admit", "prefill_chunk", "step", "drop")
 # With --eval-joins: the batch cache evaluated, and the device waited for, after each prefill_chunk.
 JOINS = "eval_joins"
+# With --split-step: the parts of a step timed apart (StepParts).
+PARTS = ("trace", "async_eval", "eval", "wait")
 
 
 class Timeline:
@@ -56,10 +70,12 @@ class Timeline:
     the GIL), and each submitted ticket with its submission time; perf_counter's clock, as the rows'
     own times."""
 
-    def __init__(self, engine: Engine, eval_joins: bool = False):
+    def __init__(self, engine: Engine, eval_joins: bool = False, split_step: bool = False):
         self.calls: list[tuple[str, float, float, int, int, int, int, float]] = []
         self.submitted: list[tuple[float, object]] = []
+        self.parts: list[dict[str, float]] = []  # with split_step, one a step call
         decoder = engine.decoder
+        self.split = StepParts(decoder) if split_step else None
         for name in DECODER_CALLS:
             setattr(decoder, name, self._timed(name, getattr(decoder, name), decoder))
         if eval_joins:
@@ -74,16 +90,27 @@ class Timeline:
             rest, fed = (len(first.row.request.ids) - first.fed, first.fed) if first else (0, 0)
             rows, joining = len(decoder.rows), len(decoder.joining)
             start, cpu = time.perf_counter(), time.thread_time()
+            if self.split is not None and name == "step":
+                self.split.begin()
             try:
                 return call(*args, **kwargs)
             finally:
                 self.calls.append((name, start, time.perf_counter() - start, rows, joining, rest, fed,
                                    time.thread_time() - cpu))
+                if self.split is not None and name == "step":
+                    self.parts.append(self.split.end())
         return timed
 
     def clear(self) -> None:
         self.calls.clear()
         self.submitted.clear()
+        self.parts.clear()
+
+    def step_parts(self) -> list[dict[str, float] | None]:
+        """Each call's step parts in ms (None but for steps)."""
+        parts = iter(self.parts)
+        return [next(parts) if name == "step" and self.split is not None else None for name, *_ in self.calls]
+
 
     def requests(self) -> list[dict]:
         """Each ticket's wait in the queue (submitted to admitted) and from admission to its first
@@ -98,6 +125,41 @@ class Timeline:
                         "cached_tokens": row.cached_tokens, "prefilled_tokens": row.prefilled_tokens})
         return out
 
+
+class StepParts:
+    """The seconds a decode step spends in each of PARTS, on the thread that runs it: the kernels'
+    compiled step traced (mx.compile calls the traced method only for a new shape), mx.async_eval
+    and mx.eval (on MLX's CUDA backend, encoding every pending operation of the graph: the step's,
+    and the joins' copies that it computes first), and the sampled tokens read (_take: the wait for
+    the device)."""
+
+    def __init__(self, decoder):
+        self.thread: int | None = None
+        self.seconds: dict[str, float] = {}
+        step = getattr(decoder.model, "decode_step", None)
+        if getattr(step, "uses_kernels", False):
+            for method in ("_forward", "_batch_forward"):
+                setattr(step, method, self._timed("trace", getattr(step, method)))
+        mx.async_eval, mx.eval = self._timed("async_eval", mx.async_eval), self._timed("eval", mx.eval)
+        decoder._take = self._timed("wait", decoder._take)
+
+    def _timed(self, part: str, call):
+        def timed(*args, **kwargs):
+            if self.thread != threading.get_ident():
+                return call(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+        return timed
+
+    def begin(self) -> None:
+        self.thread, self.seconds = threading.get_ident(), {}
+
+    def end(self) -> dict[str, float]:
+        self.thread = None
+        return {part: 1000 * self.seconds.get(part, 0.0) for part in PARTS}
 
 def evaluate(cache) -> None:
     """The batch cache's buffers computed, and the device idle: the joins' copies done."""
@@ -126,6 +188,54 @@ class LoopLag:
             await asyncio.sleep(0.001)
             if self.measuring:
                 self.lags.append(1000 * (time.perf_counter() - asked - 0.001))
+
+
+class AppTimes:
+    """For each chat request, on the app's event loop: when its handler started, when it was handed
+    to the engine, and when its first text chunk was yielded to the response (perf_counter's clock)."""
+
+    def __init__(self):
+        self.requests: list[list[float | None]] = []
+        arrived = contextvars.ContextVar("arrived", default=None)
+        handler, submit, stream_text = Api.chat_completions, Completion.submit, OpenAICompletion.stream_text
+
+        async def chat_completions(api, request):
+            arrived.set(time.perf_counter())
+            return await handler(api, request)
+
+        def timed_submit(completion, request):
+            completion.times = [arrived.get(), time.perf_counter(), None]
+            self.requests.append(completion.times)
+            return submit(completion, request)
+
+        def timed_text(completion, *args):
+            event = stream_text(completion, *args)
+            if event and completion.times[2] is None:
+                completion.times[2] = time.perf_counter()
+            return event
+
+        Api.chat_completions, Completion.submit, OpenAICompletion.stream_text = chat_completions, timed_submit, timed_text
+
+    def spans(self) -> tuple[list[float], list[float]]:
+        """In ms: arrival to submission, and arrival to the first chunk out, of each request."""
+        done = [t for t in self.requests if None not in t]
+        return [1000 * (s - a) for a, s, _ in done], [1000 * (f - a) for a, _, f in done]
+
+
+class GcPauses:
+    """The cyclic garbage collector's pauses, by generation, in ms."""
+
+    def __init__(self):
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.measuring = False
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.measuring:
+            self.pauses[info["generation"]].append(1000 * (time.perf_counter() - self._start))
 
 
 def serve_in_thread(runtime, engine: Engine, port: int, lag: LoopLag):
@@ -166,24 +276,28 @@ def main():
     parser.add_argument("--eval-joins", action="store_true",
                         help="evaluate the batch cache after each prefill_chunk, timed apart (eval_joins): what the"
                              " joins cost the device, apart from the step after them")
+    parser.add_argument("--split-step", action="store_true",
+                        help="time each step's parts apart: compile traces, mx.async_eval/mx.eval, the wait for its tokens")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
 
+    launch_without_cuda_graphs()  # as serve does (MLX_USE_CUDA_GRAPHS=1 in the environment keeps them)
     try:
         runtime = mlxllama.load(args.model)
     except MlxLlamaError as e:
         print(f"engine_turns.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
-    timeline = Timeline(engine, args.eval_joins)
+    timeline = Timeline(engine, args.eval_joins, args.split_step)
     port = free_port()
-    lag = LoopLag()
+    lag, app_times, gc_pauses = LoopLag(), AppTimes(), GcPauses()
     server, thread = serve_in_thread(runtime, engine, port, lag)
     url = f"http://127.0.0.1:{port}"
     try:
         serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
         timeline.clear()
-        lag.measuring = True
+        app_times.requests.clear()
+        lag.measuring = gc_pauses.measuring = True
         clients = serve_bench.run(url, args.clients, args.requests, args.max_tokens)
     finally:
         server.should_exit = True
@@ -192,7 +306,8 @@ def main():
     requests = timeline.requests()
     by_call = {name: [1000 * c[2] for c in timeline.calls if c[0] == name]
                for name in DECODER_CALLS + ((JOINS,) if args.eval_joins else ())}
-    slow = [c for c in timeline.calls if 1000 * c[2] > args.slow_ms]
+    parts = timeline.step_parts()
+    slow = [(c, p) for c, p in zip(timeline.calls, parts) if 1000 * c[2] > args.slow_ms]
     start = min((c[1] for c in timeline.calls), default=0.0)
     print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens each: "
           f"{clients['tokens_per_second']:.1f} t/s, "
@@ -202,18 +317,27 @@ def main():
     print(f"submitted -> first token on the host, ms: "
           f"{summary([r['queued_ms'] + r['first_token_ms'] for r in requests])}")
     print(f"event loop lag (a 1 ms sleep's lateness), ms: {summary(lag.lags)}")
+    handed, first_out = app_times.spans()
+    print(f"app: arrival -> engine, ms: {summary(handed)}; arrival -> first chunk out, ms: {summary(first_out)}")
+    print("gc pauses, ms: " + "; ".join(f"generation {g} x{len(p)}: {summary(p)}" for g, p in gc_pauses.pauses.items()))
     for name, ms in by_call.items():
         print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
     print(f"calls over {args.slow_ms:g} ms: {len(slow)}")
-    for name, at, seconds, rows, joining, rest, fed, cpu in slow[:40]:
+    if args.split_step:
+        steps = [p for p in parts if p is not None]
+        print("step parts, ms: " + "; ".join(f"{part} {summary([p[part] for p in steps])}" for part in PARTS))
+    for (name, at, seconds, rows, joining, rest, fed, cpu), split in slow[:40]:
         print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms (CPU {1000 * cpu:5.1f})"
-              f"  rows {rows:2d}  joining {joining:2d}  first joiner: {rest} to feed after {fed}")
+              f"  rows {rows:2d}  joining {joining:2d}  first joiner: {rest} to feed after {fed}"
+              + ("" if split is None else "  " + " ".join(f"{part} {split[part]:.1f}" for part in PARTS)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "clients": clients, "requests": requests, "loop_lag_ms": lag.lags,
+                       "app_ms": {"to_engine": handed, "first_chunk_out": first_out},
+                       "gc_pauses_ms": {str(g): p for g, p in gc_pauses.pauses.items()},
                        "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,
-                                  "rest": rest, "fed": fed, "cpu_ms": 1000 * cpu}
-                                 for n, at, s, r, j, rest, fed, cpu in timeline.calls],
+                                  "rest": rest, "fed": fed, "cpu_ms": 1000 * cpu, **({"parts_ms": p} if p else {})}
+                                 for (n, at, s, r, j, rest, fed, cpu), p in zip(timeline.calls, parts)],
                        "mean_step_ms": statistics.fmean(by_call["step"]) if by_call["step"] else None}, f, indent=1)
 
 

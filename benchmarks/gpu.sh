@@ -38,7 +38,7 @@
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
 #   bash benchmarks/gpu.sh engine [CLIENTS [ARGS]] # there: what a served first token waits for, every engine call timed
 #                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py
-#                                                 # ARGS, e.g. --eval-joins)
+#                                                 # ARGS, e.g. --eval-joins, --split-step)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
 #                                                 # of our plain step and of mlx-lm's (kernel_trace.py)

@@ -148,6 +148,24 @@ def test_engine_turns_times_the_joins_apart_when_asked(tmp_path):
     assert names.count("eval_joins") == len(chunks) and "eval_joins" in printed
 
 
+def test_engine_turns_splits_each_step_and_times_the_app(tmp_path):
+    """--split-step: each step's parts (compile traces, MLX's evaluations on the host, the wait for
+    its tokens) fit in the step; each chat request's arrival, hand-off and first chunk out, in order."""
+    out = tmp_path / "turns.json"
+    printed = run_script("benchmarks/engine_turns.py", "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                         "--split-step", "--json", str(out))
+    report = json.loads(out.read_text())
+    steps = [c for c in report["calls"] if c["name"] == "step"]
+    assert steps and all(set(c["parts_ms"]) == {"trace", "async_eval", "eval", "wait"} for c in steps)
+    assert all(0 <= sum(c["parts_ms"].values()) <= c["ms"] for c in steps)
+    assert sum(c["parts_ms"]["async_eval"] for c in steps) > 0
+    assert not any("parts_ms" in c for c in report["calls"] if c["name"] != "step")
+    app = report["app_ms"]
+    assert len(app["to_engine"]) == len(app["first_chunk_out"]) == 4
+    assert all(0 <= a <= b for a, b in zip(app["to_engine"], app["first_chunk_out"]))
+    assert "step parts, ms" in printed and "arrival -> first chunk out" in printed and "gc pauses" in printed
+
+
 def test_engine_turns_names_a_bad_model_in_one_line(tmp_path):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(open(find_fixture_model("chat-tiny-Q4_K_M.gguf"), "rb").read(1000))
