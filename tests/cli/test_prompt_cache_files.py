@@ -5,7 +5,6 @@ belong to the run is a one-line error."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from click.testing import CliRunner
