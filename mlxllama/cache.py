@@ -17,6 +17,11 @@ import numpy as np
 
 GROWTH_STEP = 256
 
+
+def grown_size(slots: int) -> int:
+    """The slots a growing buffer allocates to hold `slots`: whole steps of GROWTH_STEP."""
+    return -(-slots // GROWTH_STEP) * GROWTH_STEP
+
 # Keys or values [batch, kv_heads, slots, head_dim]: one array, or with a KVQuantization the three
 # of mx.quantize (packed integers, scales, biases), each with the slots on axis 2.
 Buffer = Union[mx.array, tuple]
@@ -211,7 +216,7 @@ class KVCache:
         return slot_range(self.keys, 0, self.offset), slot_range(self.values, 0, self.offset)
 
     def _grow(self, keys: Buffer, values: Buffer, new: int) -> None:
-        size = (self.offset + new + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
+        size = grown_size(self.offset + new)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
             write(grown_k, 0, slot_range(self.keys, 0, self.offset))
@@ -563,7 +568,7 @@ class BatchKVCache:
                 rows.append(self._joined(slot_range(cache.keys, 0, length), slot_range(cache.values, 0, length),
                                          cache.quantized))
         before, held, longest = len(self.lengths), capacity(self.keys), max(lengths)
-        slots = held if longest <= held else (longest + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
+        slots = held if longest <= held else grown_size(longest)
 
         def joined(buffer: mx.array, *new: mx.array) -> mx.array:
             out = mx.zeros((before + len(new), buffer.shape[1], slots) + buffer.shape[3:], buffer.dtype)
@@ -621,8 +626,7 @@ class BatchKVCache:
         held = capacity(self.keys)
         if slots <= held:
             return
-        grown = (slots + GROWTH_STEP - 1) // GROWTH_STEP * GROWTH_STEP
-        pad = [(0, 0), (0, 0), (0, grown - held), (0, 0)]
+        pad = [(0, 0), (0, 0), (0, grown_size(slots) - held), (0, 0)]
         self.keys, self.values = kv_map(lambda a: mx.pad(a, pad), self.keys), kv_map(lambda a: mx.pad(a, pad), self.values)
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..batching import BatchDecoder, Request, Row
-from ..cache import GROWTH_STEP, kv_bytes_per_position
+from ..cache import grown_size, kv_bytes_per_position
 from ..generate import PREFILL_CHUNK
 from ..prompt_cache import PromptCache
 from .replicas import LeadingDecoder
@@ -93,7 +93,7 @@ class Engine:
         ring's rows hold the decoder's max_kv_size positions and its draft room, however many they need)."""
         if self.decoder.max_kv_size:
             return rows * (self.decoder.max_kv_size + self.decoder.draft_room) * self.slot_bytes
-        return rows * -(-min(slots, self.context_length) // GROWTH_STEP) * GROWTH_STEP * self.slot_bytes
+        return rows * grown_size(min(slots, self.context_length)) * self.slot_bytes
 
     def need(self, request: Request) -> int:
         return len(request.ids) + request.max_tokens
