@@ -34,8 +34,9 @@
 #   bash benchmarks/gpu.sh kv                     # there: pp512 and tg128 at depth 0 and 8192 with the cache
 #                                                 # unquantized (kernels and plain step), --kv-bits 8 and 4, then
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
-#   bash benchmarks/gpu.sh serve [CLIENTS]        # there: mlxllama serve and llama-server (-np = clients) in turn
-#                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py
+#   bash benchmarks/gpu.sh serve [CLIENTS [ROUNDS]] # there: mlxllama serve and llama-server (-np = clients) in turn
+#                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py;
+#                                                 # ROUNDS (default 1) times over, alternating, each run labelled with its round
 #   bash benchmarks/gpu.sh engine [CLIENTS [ARGS]] # there: what a served first token waits for, every engine call timed
 #                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py
 #                                                 # ARGS, e.g. --eval-joins, --split-step)
@@ -204,27 +205,30 @@ wait_healthy() {  # url pid: until GET url/health is 200, or the server has died
     return 1
 }
 
-serve_bench() {  # each concurrency: our server, then llama-server, the same client and settings
+serve_bench() {  # each round and concurrency: our server, then llama-server, the same client and settings
     mkdir -p "$out"
-    local clients pid url=http://127.0.0.1:8090 bin=$work/llama-build/bin
+    local clients round pid url=http://127.0.0.1:8090 bin=$work/llama-build/bin
     # The build takes every core: wait for it, so that neither server is measured beside it.
     while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
     export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
-    for clients in ${1//,/ }; do
-        log mlxllama serve, $clients clients
+    for round in $(seq "${2:-1}"); do
+      for clients in ${1//,/ }; do
+        log mlxllama serve, $clients clients, round $round
         python3 -m mlxllama serve -m "$model" --port 8090 --max-batch "$clients" > "$out/mlxllama-serve-$clients.log" 2>&1 &
         pid=$!
         wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
-            --requests 4 --max-tokens 128 --warmup --label mlxllama --json "$out/serve-mlxllama-$clients.json"
+            --requests 4 --max-tokens 128 --warmup --label "mlxllama-$round" --json "$out/serve-mlxllama-$clients-$round.json"
         kill $pid; wait $pid
         [ -x "$bin/llama-server" ] || continue
-        log llama-server -np $clients
+        log llama-server -np $clients, round $round
         "$bin/llama-server" -m "$model" --port 8090 -np "$clients" -c $((clients * 512)) -ngl 99 -fa on --jinja \
             > "$out/llama-server-$clients.log" 2>&1 &
         pid=$!
         wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
-            --requests 4 --max-tokens 128 --warmup --label llama-server --json "$out/serve-llama-server-$clients.json"
+            --requests 4 --max-tokens 128 --warmup --label "llama-server-$round" \
+            --json "$out/serve-llama-server-$clients-$round.json"
         kill $pid; wait $pid
+      done
     done
     python3 -c "import glob, json, os; runs = [json.load(open(f)) for f in sorted(glob.glob('$out/serve-*.json'))]
 json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in glob.glob('$out/serve-*.json')]"
@@ -368,12 +372,12 @@ case ${1:-} in
     install) install "$2" ;;
     test) shift; run_tests "$@" ;;
     bench) bench ;;
-    serve) serve_bench "${2:-1,8,16,32}" ;;
+    serve) serve_bench "${2:-1,8,16,32}" "${3:-1}" ;;
     engine) shift; engine_turns "${1:-16}" "${@:2}" ;;
     structured) structured ;;
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
     kv) kv_depth ;;
     versus) shift; versus "$@" ;;
-    *) sed -n '2,46p' "$0"; exit 2 ;;
+    *) sed -n '2,48p' "$0"; exit 2 ;;
 esac
