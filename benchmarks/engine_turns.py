@@ -67,13 +67,12 @@ class Timeline:
     """The decoder's calls, each (name, start, seconds, rows before, joiners before, the first
     joiner's prompt tokens not yet fed and those already in its cache, and the CPU seconds the
     engine's thread spent in it: a call much longer than its CPU time waited, for the device or for
-    the GIL), and each submitted ticket with its submission time; perf_counter's clock, as the rows'
-    own times."""
+    the GIL; and with split_step, a step's parts in ms, None for other calls), and each submitted
+    ticket with its submission time; perf_counter's clock, as the rows' own times."""
 
     def __init__(self, engine: Engine, eval_joins: bool = False, split_step: bool = False):
-        self.calls: list[tuple[str, float, float, int, int, int, int, float]] = []
+        self.calls: list[tuple[str, float, float, int, int, int, int, float, dict[str, float] | None]] = []
         self.submitted: list[tuple[float, object]] = []
-        self.parts: list[dict[str, float]] = []  # with split_step, one a step call
         decoder = engine.decoder
         self.split = StepParts(decoder) if split_step else None
         for name in DECODER_CALLS:
@@ -89,28 +88,20 @@ class Timeline:
             first = decoder.joining[0] if decoder.joining else None
             rest, fed = (len(first.row.request.ids) - first.fed, first.fed) if first else (0, 0)
             rows, joining = len(decoder.rows), len(decoder.joining)
+            split = self.split if name == "step" else None
             start, cpu = time.perf_counter(), time.thread_time()
-            if self.split is not None and name == "step":
-                self.split.begin()
+            if split is not None:
+                split.begin()
             try:
                 return call(*args, **kwargs)
             finally:
                 self.calls.append((name, start, time.perf_counter() - start, rows, joining, rest, fed,
-                                   time.thread_time() - cpu))
-                if self.split is not None and name == "step":
-                    self.parts.append(self.split.end())
+                                   time.thread_time() - cpu, split.end() if split is not None else None))
         return timed
 
     def clear(self) -> None:
         self.calls.clear()
         self.submitted.clear()
-        self.parts.clear()
-
-    def step_parts(self) -> list[dict[str, float] | None]:
-        """Each call's step parts in ms (None but for steps)."""
-        parts = iter(self.parts)
-        return [next(parts) if name == "step" and self.split is not None else None for name, *_ in self.calls]
-
 
     def requests(self) -> list[dict]:
         """Each ticket's wait in the queue (submitted to admitted) and from admission to its first
@@ -160,6 +151,7 @@ class StepParts:
     def end(self) -> dict[str, float]:
         self.thread = None
         return {part: 1000 * self.seconds.get(part, 0.0) for part in PARTS}
+
 
 def evaluate(cache) -> None:
     """The batch cache's buffers computed, and the device idle: the joins' copies done."""
@@ -306,8 +298,7 @@ def main():
     requests = timeline.requests()
     by_call = {name: [1000 * c[2] for c in timeline.calls if c[0] == name]
                for name in DECODER_CALLS + ((JOINS,) if args.eval_joins else ())}
-    parts = timeline.step_parts()
-    slow = [(c, p) for c, p in zip(timeline.calls, parts) if 1000 * c[2] > args.slow_ms]
+    slow = [c for c in timeline.calls if 1000 * c[2] > args.slow_ms]
     start = min((c[1] for c in timeline.calls), default=0.0)
     print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens each: "
           f"{clients['tokens_per_second']:.1f} t/s, "
@@ -324,9 +315,9 @@ def main():
         print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
     print(f"calls over {args.slow_ms:g} ms: {len(slow)}")
     if args.split_step:
-        steps = [p for p in parts if p is not None]
+        steps = [c[8] for c in timeline.calls if c[8] is not None]
         print("step parts, ms: " + "; ".join(f"{part} {summary([p[part] for p in steps])}" for part in PARTS))
-    for (name, at, seconds, rows, joining, rest, fed, cpu), split in slow[:40]:
+    for name, at, seconds, rows, joining, rest, fed, cpu, split in slow[:40]:
         print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms (CPU {1000 * cpu:5.1f})"
               f"  rows {rows:2d}  joining {joining:2d}  first joiner: {rest} to feed after {fed}"
               + ("" if split is None else "  " + " ".join(f"{part} {split[part]:.1f}" for part in PARTS)))
@@ -337,7 +328,7 @@ def main():
                        "gc_pauses_ms": {str(g): p for g, p in gc_pauses.pauses.items()},
                        "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,
                                   "rest": rest, "fed": fed, "cpu_ms": 1000 * cpu, **({"parts_ms": p} if p else {})}
-                                 for (n, at, s, r, j, rest, fed, cpu), p in zip(timeline.calls, parts)],
+                                 for n, at, s, r, j, rest, fed, cpu, p in timeline.calls],
                        "mean_step_ms": statistics.fmean(by_call["step"]) if by_call["step"] else None}, f, indent=1)
 
 

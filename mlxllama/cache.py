@@ -22,6 +22,7 @@ def grown_size(slots: int) -> int:
     """The slots a growing buffer allocates to hold `slots`: whole steps of GROWTH_STEP."""
     return -(-slots // GROWTH_STEP) * GROWTH_STEP
 
+
 # Keys or values [batch, kv_heads, slots, head_dim]: one array, or with a KVQuantization the three
 # of mx.quantize (packed integers, scales, biases), each with the slots on axis 2.
 Buffer = Union[mx.array, tuple]
