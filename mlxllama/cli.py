@@ -508,7 +508,8 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
     or "none"); /v1/completions feeds the raw prompt. The sampling options are the defaults a
-    request's own fields override.
+    request's own fields override. On CUDA it turns MLX's CUDA graphs off (MLX_USE_CUDA_GRAPHS=0)
+    unless the environment sets that variable: bursts of requests get their first tokens sooner.
 
     \b
     mlxllama serve -m model.gguf --port 8080
