@@ -232,6 +232,7 @@ serve_bench() {  # each round and concurrency: our server, then llama-server, th
     done
     python3 -c "import glob, json, os; runs = [json.load(open(f)) for f in sorted(glob.glob('$out/serve-*.json'))]
 json.dump(runs, open('$out/serve.json', 'w'), indent=1); [os.remove(f) for f in glob.glob('$out/serve-*.json')]"
+    python3 benchmarks/serve_bench.py --compare "$out/serve.json"  # each server's rounds pooled
 }
 
 engine_turns() {  # each engine call under a burst of streaming clients, and each request's wait (#20's TTFT)

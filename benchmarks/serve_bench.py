@@ -2,6 +2,7 @@
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080 [--clients 1,8,32] [--requests 4]
         [--max-tokens 64] [--warmup] [--json OUT] [--label NAME]
+    python benchmarks/serve_bench.py --compare OUT.json ...
 
 Each of C clients sends --requests streamed chat completions one after another (greedy, the same
 few questions in turn, `stream_options.include_usage`); C = each of --clients in turn. Each client
@@ -29,33 +30,39 @@ QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is
              "Tell me about the capital of Italy.", "What is the opposite of hot?", "What is 9 plus 33?", "Hello!"]
 
 
-def streamed_chunks(url: str, path: str, body: dict) -> Iterator[dict]:
+def streamed_chunks(client: httpx.Client, url: str, path: str, body: dict) -> Iterator[dict]:
     """The JSON chunks of a streamed OpenAI-style request: its `data:` events, up to `[DONE]`."""
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as response:
+    with client.stream("POST", f"{url}{path}", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 yield json.loads(line[6:])
 
 
-def one_request(url: str, question: str, max_tokens: int) -> dict:
+def one_request(client: httpx.Client, url: str, question: str, max_tokens: int) -> dict:
     body = {"model": "any", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals, tokens = [], 0
-    for chunk in streamed_chunks(url, "/v1/chat/completions", body):
+    for chunk in streamed_chunks(client, url, "/v1/chat/completions", body):
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
             arrivals.append(time.perf_counter())
-    return {"ttft": arrivals[0] - start if arrivals else None,
+    return {"sent": start, "ttft": arrivals[0] - start if arrivals else None,
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens or len(arrivals)}
 
 
 def one_client(url: str, number: int, requests: int, max_tokens: int, ready) -> tuple[float, float, list[dict]]:
-    ready.wait()  # every client's process is up before any of them starts
-    start = time.perf_counter()
-    results = [one_request(url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens) for i in range(requests)]
+    # One httpx client a process, as an app keeps its SDK's: httpx.stream() makes a client for each
+    # request, and its TLS context alone (17 ms of CPU, though the URL is http) was inside every TTFT,
+    # 16 processes' worth at once in a burst, beside the server on the same cores. A connection a
+    # request still, as before: llama-server closes a kept-alive one after a stream, unannounced.
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        ready.wait()  # every client's process is up before any of them starts
+        start = time.perf_counter()
+        results = [one_request(client, url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens)
+                   for i in range(requests)]
     return start, time.perf_counter(), results
 
 
@@ -65,7 +72,8 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
         futures = [pool.submit(one_client, url, n, requests, max_tokens, ready) for n in range(clients)]
         done = [f.result() for f in futures]
     # perf_counter is the system's monotonic clock on Linux: comparable across the clients' processes.
-    wall = max(end for _, end, _ in done) - min(start for start, _, _ in done)
+    first = min(start for start, _, _ in done)
+    wall = max(end for _, end, _ in done) - first
     results = [r for _, _, rs in done for r in rs]
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
@@ -76,7 +84,40 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
             "tokens_per_second": sum(r["tokens"] for r in results) / wall,
             "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
             "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p95_ms": 1000 * percentile(gaps, 95),
-            "itl_after_second_p95_ms": 1000 * percentile(later, 95)}
+            "itl_after_second_p95_ms": 1000 * percentile(later, 95),
+            # every request's TTFT, so that rounds can be pooled: a p95 of one run's 64 requests is its
+            # fourth-slowest, and moves by tens of ms from run to run
+            "ttft_ms": [round(1000 * t, 2) for t in ttft],
+            # and each client's requests in the order it sent them, as [sent, TTFT] in ms from the
+            # first client's start: which of a burst's requests were the slow ones
+            "requests_by_client": [[[round(1000 * (r["sent"] - first), 2),
+                                     round(1000 * r["ttft"], 2) if r["ttft"] is not None else None] for r in rs]
+                                   for _, _, rs in done]}
+
+
+def compare(paths: list[str]):
+    """Per server and concurrency, over the runs of files written with --json (or lists of them, as
+    gpu.sh serve writes, bare or as the "runs" of a results file with a "note"): TTFT p95 as the mean and median of the runs' and of all their requests
+    pooled, and tokens/s. A server is a label up to its last "-": gpu.sh labels rounds "NAME-ROUND"."""
+    outputs = []
+    for path in paths:
+        with open(path) as f:
+            loaded = json.load(f)
+        if isinstance(loaded, dict) and "label" not in loaded:
+            loaded = loaded["runs"]
+        outputs += loaded if isinstance(loaded, list) else [loaded]
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for output in outputs:
+        server = output["label"].rsplit("-", 1)[0] if output["label"][-1:].isdigit() else output["label"]
+        for row in output["runs"]:
+            groups.setdefault((server, row["clients"]), []).append(row)
+    print("server           clients  runs  TTFT p95 ms: mean  median  pooled  range        TTFT p50 pooled  tokens/s mean")
+    for (server, clients), rows in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+        p95s = [row["ttft_p95_ms"] for row in rows]
+        pooled = sorted(t for row in rows for t in row.get("ttft_ms", []))
+        print(f"{server:16s} {clients:7d}  {len(rows):4d}  {statistics.mean(p95s):17.1f}  {statistics.median(p95s):6.1f}"
+              f"  {percentile(pooled, 95):6.1f}  {min(p95s):5.1f}-{max(p95s):<5.1f}  {percentile(pooled, 50):15.1f}"
+              f"  {statistics.mean(row['tokens_per_second'] for row in rows):13.1f}")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -95,7 +136,11 @@ def main():
     parser.add_argument("--warmup", action="store_true",
                         help="one untimed request per client first (a GPU compiles kernels on first use)")
     parser.add_argument("--label", default="", help="a name for the server in the output (--json)")
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="measure nothing: summarize the runs in these --json outputs, rounds pooled")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args.compare)
     rows = []
     print("clients  requests  tokens/s  TTFT p50/p95 ms  ITL p50/p95 ms  ITL p95 past the 2nd token")
     for clients in (int(c) for c in args.clients.split(",")):

@@ -21,15 +21,16 @@ import json
 import statistics
 import time
 
+import httpx
 from serve_bench import streamed_chunks  # benchmarks/ is the script's own folder
 
 
-def one_run(url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+def one_run(client: httpx.Client, url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
     body = {"model": "any", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     first = last = None
     tokens, text, drafts = 0, [], {}
-    for chunk in streamed_chunks(url, "/v1/completions", body):
+    for chunk in streamed_chunks(client, url, "/v1/completions", body):
         piece = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
         if piece:
             last = time.perf_counter()
@@ -60,8 +61,9 @@ def main() -> None:
     args = parser.parse_args()
     prompt = open(args.prompt_file, encoding="utf-8").read()
     extra = json.loads(args.extra)
-    one_run(args.url, prompt, args.max_tokens, extra)
-    runs = [one_run(args.url, prompt, args.max_tokens, extra) for _ in range(args.runs)]
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        one_run(client, args.url, prompt, args.max_tokens, extra)
+        runs = [one_run(client, args.url, prompt, args.max_tokens, extra) for _ in range(args.runs)]
     rates = [r["decode_tokens_per_second"] for r in runs]
     summary = {"label": args.label, "url": args.url, "extra": extra, "max_tokens": args.max_tokens,
                "median_decode_tokens_per_second": statistics.median(rates), "runs": runs}

@@ -173,3 +173,44 @@ def test_engine_turns_names_a_bad_model_in_one_line(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "truncated or corrupt" in result.stderr
+
+
+def test_serve_bench_and_speculative_serve_measure_a_real_server_and_rounds_pool(tmp_path):
+    """serve_bench.py's clients (one kept-alive connection each) and speculative_serve.py against
+    `mlxllama serve` on chat-tiny; --compare then pools each server's rounds: the pooled TTFT p95 is
+    the p95 of every request's TTFT, not the mean of the runs' p95s."""
+    from conftest import Server
+
+    server = Server("--max-batch", "2")
+    try:
+        for round_ in (1, 2):
+            run_script("benchmarks/serve_bench.py", "--url", server.url, "--clients", "2", "--requests", "2",
+                       "--max-tokens", "4", "--label", f"mlxllama-{round_}", "--json", str(tmp_path / f"r{round_}.json"))
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("The capital of Japan is Tokyo. The capital of Japan is")
+        printed = run_script("benchmarks/speculative_serve.py", "--url", server.url, "--prompt-file", str(prompt),
+                             "-n", "6", "-r", "2", "--extra", '{"lookup": 3}', "--label", "lookup",
+                             "--json", str(tmp_path / "spec.json"))
+    finally:
+        server.stop()
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert len(spec["runs"]) == 2 and spec["runs"][0]["tokens"] == 6 and spec["runs"][0]["text"] == spec["runs"][1]["text"]
+    assert printed.startswith("lookup: ")
+    rounds = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (1, 2)]
+    for output in rounds:
+        (row,) = output["runs"]
+        assert row["requests"] == 4 and len(row["ttft_ms"]) == 4 and row["ttft_ms"] == sorted(row["ttft_ms"])
+        assert abs(row["ttft_p95_ms"] - statistics.quantiles(row["ttft_ms"], n=100, method="inclusive")[94]) < 0.01
+        # each client's two requests in order, the second sent after the first's answer began
+        by_client = row["requests_by_client"]
+        assert len(by_client) == 2 and all(len(c) == 2 and 0 <= c[0][0] < c[0][0] + c[0][1] <= c[1][0] for c in by_client)
+        assert sorted(ttft for c in by_client for _, ttft in c) == row["ttft_ms"]
+    (tmp_path / "both.json").write_text(json.dumps(rounds))
+    table = run_script("benchmarks/serve_bench.py", "--compare", str(tmp_path / "both.json"))
+    (line,) = [line for line in table.splitlines() if line.startswith("mlxllama ")]
+    fields = line.split()
+    assert fields[1:3] == ["2", "2"]  # clients, runs: the two rounds are one server
+    pooled = statistics.quantiles(sorted(t for o in rounds for t in o["runs"][0]["ttft_ms"]), n=100,
+                                  method="inclusive")[94]
+    assert float(fields[3]) == pytest.approx(statistics.mean(o["runs"][0]["ttft_p95_ms"] for o in rounds), abs=0.051)
+    assert float(fields[5]) == pytest.approx(pooled, abs=0.051)
