@@ -97,8 +97,11 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 
 def compare(paths: list[str]):
     """Per server and concurrency, over the runs of files written with --json (or lists of them, as
-    gpu.sh serve writes, bare or as the "runs" of a results file with a "note"): TTFT p95 as the mean and median of the runs' and of all their requests
-    pooled, and tokens/s. A server is a label up to its last "-": gpu.sh labels rounds "NAME-ROUND"."""
+    gpu.sh serve writes, bare or as the "runs" of a results file with a "note"): TTFT p95 as the
+    mean and median of the runs' and of all their requests pooled, and tokens/s; then, where the
+    runs kept each client's requests, the TTFT of each client's first, second ... request pooled
+    (the first of every client arrive together, on an idle server). A server is a label up to its
+    last "-": gpu.sh labels rounds "NAME-ROUND"."""
     outputs = []
     for path in paths:
         with open(path) as f:
@@ -118,6 +121,17 @@ def compare(paths: list[str]):
         print(f"{server:16s} {clients:7d}  {len(rows):4d}  {statistics.mean(p95s):17.1f}  {statistics.median(p95s):6.1f}"
               f"  {percentile(pooled, 95):6.1f}  {min(p95s):5.1f}-{max(p95s):<5.1f}  {percentile(pooled, 50):15.1f}"
               f"  {statistics.mean(row['tokens_per_second'] for row in rows):13.1f}")
+    for (server, clients), rows in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+        by_turn: dict[int, list[float]] = {}
+        for row in rows:
+            for requests in row.get("requests_by_client", []):
+                for turn, (_, ttft) in enumerate(requests):
+                    if ttft is not None:
+                        by_turn.setdefault(turn, []).append(ttft)
+        if by_turn:
+            turns = ", ".join(f"{turn + 1}: {percentile(sorted(t), 50):.0f} / {percentile(sorted(t), 90):.0f}"
+                              f" / {max(t):.0f}" for turn, t in sorted(by_turn.items()))
+            print(f"{server} at {clients} clients, TTFT p50 / p90 / max ms of each client's request {turns}")
 
 
 def percentile(values: list[float], p: float) -> float:

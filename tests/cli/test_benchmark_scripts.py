@@ -207,10 +207,19 @@ def test_serve_bench_and_speculative_serve_measure_a_real_server_and_rounds_pool
         assert sorted(ttft for c in by_client for _, ttft in c) == row["ttft_ms"]
     (tmp_path / "both.json").write_text(json.dumps(rounds))
     table = run_script("benchmarks/serve_bench.py", "--compare", str(tmp_path / "both.json"))
-    (line,) = [line for line in table.splitlines() if line.startswith("mlxllama ")]
+    (line,) = [line for line in table.splitlines() if re.match(r"mlxllama +2 ", line)]
     fields = line.split()
     assert fields[1:3] == ["2", "2"]  # clients, runs: the two rounds are one server
     pooled = statistics.quantiles(sorted(t for o in rounds for t in o["runs"][0]["ttft_ms"]), n=100,
                                   method="inclusive")[94]
     assert float(fields[3]) == pytest.approx(statistics.mean(o["runs"][0]["ttft_p95_ms"] for o in rounds), abs=0.051)
     assert float(fields[5]) == pytest.approx(pooled, abs=0.051)
+    # each client's first requests (they arrive together) apart from its second ones
+    (turns,) = [line for line in table.splitlines() if line.startswith("mlxllama at 2 clients")]
+    printed = [float(v) for v in re.search(r"1: (\d+) / (\d+) / (\d+), 2: (\d+) / (\d+) / (\d+)$", turns).groups()]
+    expected = []
+    for turn in (0, 1):
+        ttfts = [c[turn][1] for o in rounds for c in o["runs"][0]["requests_by_client"]]
+        quantiles = statistics.quantiles(ttfts, n=100, method="inclusive")
+        expected += [quantiles[49], quantiles[89], max(ttfts)]
+    assert printed == pytest.approx(expected, abs=0.51)
