@@ -17,6 +17,10 @@ Ways to store the keys (`--keys`, any of):
   scaled      each channel divided by the square root of its largest magnitude in the first
               pass's keys before 4 bits along the head, and multiplied back after (a SmoothQuant-like
               per-channel scale, computed once a cache)
+  centered    each channel's mean over the first pass's keys subtracted before 4 bits along the
+              head, and added back after: a constant per channel and head adds the same q·mean to
+              every score of a query, which softmax ignores, so a cache could store the centered
+              keys alone; what is left to quantize is the keys' spread about their mean
 
     python benchmarks/kv_key_grouping.py MODEL TEXT --ctx 1024 [--keys head,full,8,tokens,scaled]
 
@@ -39,7 +43,7 @@ from mlxllama.cache import KVCache, KVQuantization  # noqa: E402
 from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.perplexity import perplexity, read_text  # noqa: E402
 
-WAYS = ("head", "full", "8", "tokens", "scaled")
+WAYS = ("head", "full", "8", "tokens", "scaled", "centered")
 TOKEN_GROUP = 32
 
 
@@ -78,6 +82,10 @@ def storing(way: str):
                 scale = mx.sqrt(mx.maximum(peak, 1e-6))
                 cache.channel_scale = (scale / scale.mean(axis=-1, keepdims=True)).astype(keys.dtype)
             stored_keys = round_trip(keys / cache.channel_scale, 4, quantization.group_size) * cache.channel_scale
+        elif way == "centered":
+            if not hasattr(cache, "channel_mean"):
+                cache.channel_mean = keys.astype(mx.float32).mean(axis=2, keepdims=True).astype(keys.dtype)
+            stored_keys = round_trip(keys - cache.channel_mean, 4, quantization.group_size) + cache.channel_mean
         return stored_keys, stored_values
 
     return stored
