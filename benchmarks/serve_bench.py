@@ -114,14 +114,15 @@ def compare(paths: list[str]):
         server = output["label"].rsplit("-", 1)[0] if output["label"][-1:].isdigit() else output["label"]
         for row in output["runs"]:
             groups.setdefault((server, row["clients"]), []).append(row)
+    ordered = sorted(groups.items(), key=lambda item: (item[0][1], item[0][0]))  # by concurrency, then server
     print("server           clients  runs  TTFT p95 ms: mean  median  pooled  range        TTFT p50 pooled  tokens/s mean")
-    for (server, clients), rows in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+    for (server, clients), rows in ordered:
         p95s = [row["ttft_p95_ms"] for row in rows]
         pooled = sorted(t for row in rows for t in row.get("ttft_ms", []))
         print(f"{server:16s} {clients:7d}  {len(rows):4d}  {statistics.mean(p95s):17.1f}  {statistics.median(p95s):6.1f}"
               f"  {percentile(pooled, 95):6.1f}  {min(p95s):5.1f}-{max(p95s):<5.1f}  {percentile(pooled, 50):15.1f}"
               f"  {statistics.mean(row['tokens_per_second'] for row in rows):13.1f}")
-    for (server, clients), rows in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+    for (server, clients), rows in ordered:
         by_turn: dict[int, list[float]] = {}
         for row in rows:
             for requests in row.get("requests_by_client", []):
@@ -129,8 +130,9 @@ def compare(paths: list[str]):
                     if ttft is not None:
                         by_turn.setdefault(turn, []).append(ttft)
         if by_turn:
-            turns = ", ".join(f"{turn + 1}: {percentile(sorted(t), 50):.0f} / {percentile(sorted(t), 90):.0f}"
-                              f" / {max(t):.0f}" for turn, t in sorted(by_turn.items()))
+            by_turn = {turn: sorted(ttfts) for turn, ttfts in sorted(by_turn.items())}
+            turns = ", ".join(f"{turn + 1}: {percentile(t, 50):.0f} / {percentile(t, 90):.0f} / {t[-1]:.0f}"
+                              for turn, t in by_turn.items())
             print(f"{server} at {clients} clients, TTFT p50 / p90 / max ms of each client's request {turns}")
 
 
