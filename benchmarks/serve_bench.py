@@ -95,6 +95,10 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
                                    for _, _, rs in done]}
 
 
+# What --compare reads of each run, besides the optional ttft_ms and requests_by_client.
+NUMBERS = ("clients", "ttft_p95_ms", "tokens_per_second")
+
+
 def compare(paths: list[str]):
     """Per server and concurrency, over the runs of files written with --json (or lists of them, as
     gpu.sh serve writes, bare or as the "runs" of a results file with a "note"): TTFT p95 as the
@@ -102,18 +106,25 @@ def compare(paths: list[str]):
     runs kept each client's requests, the TTFT of each client's first, second ... request pooled
     (the first of every client arrive together, on an idle server). A server is a label up to its
     last "-": gpu.sh labels rounds "NAME-ROUND"."""
-    outputs = []
-    for path in paths:
-        with open(path) as f:
-            loaded = json.load(f)
-        if isinstance(loaded, dict) and "label" not in loaded:
-            loaded = loaded["runs"]
-        outputs += loaded if isinstance(loaded, list) else [loaded]
     groups: dict[tuple[str, int], list[dict]] = {}
-    for output in outputs:
-        server = output["label"].rsplit("-", 1)[0] if output["label"][-1:].isdigit() else output["label"]
-        for row in output["runs"]:
-            groups.setdefault((server, row["clients"]), []).append(row)
+    for path in paths:
+        try:
+            with open(path) as f:
+                loaded = json.load(f)
+            if isinstance(loaded, dict) and "label" not in loaded:
+                loaded = loaded["runs"]
+            for output in loaded if isinstance(loaded, list) else [loaded]:
+                label = output["label"]
+                server = label.rsplit("-", 1)[0] if label[-1:].isdigit() else label
+                for row in output["runs"]:
+                    if not all(isinstance(row[k], (int, float)) for k in NUMBERS):
+                        raise TypeError(f"a run's {', '.join(NUMBERS)} must be numbers")
+                    groups.setdefault((server, row["clients"]), []).append(row)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"serve_bench.py: {path}: {e}") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"serve_bench.py: {path}: not serve_bench.py --json output"
+                             f" ({type(e).__name__}: {e})") from None
     ordered = sorted(groups.items(), key=lambda item: (item[0][1], item[0][0]))  # by concurrency, then server
     print("server           clients  runs  TTFT p95 ms: mean  median  pooled  range        TTFT p50 pooled  tokens/s mean")
     for (server, clients), rows in ordered:

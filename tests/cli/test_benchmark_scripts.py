@@ -226,3 +226,21 @@ def test_serve_bench_and_speculative_serve_measure_a_real_server_and_rounds_pool
         quantiles = statistics.quantiles(ttfts, n=100, method="inclusive")
         expected += [quantiles[49], quantiles[89], max(ttfts)]
     assert printed == pytest.approx(expected, abs=0.51)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ('{"label":', "Expecting value"),
+    ('[{"runs": []}]', "not serve_bench.py --json output (KeyError: 'label')"),
+    ('[{"label": "a-1", "runs": [{"clients": "16", "ttft_p95_ms": 1, "tokens_per_second": 2}]}]',
+     "a run's clients, ttft_p95_ms, tokens_per_second must be numbers"),
+])
+def test_serve_bench_compare_names_a_bad_file_in_one_line(tmp_path, content, message):
+    path = tmp_path / "runs.json"
+    if content is not None:
+        path.write_text(content)
+    result = subprocess.run([sys.executable, "benchmarks/serve_bench.py", "--compare", str(path)], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"serve_bench.py: {path}: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr
