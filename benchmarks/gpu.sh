@@ -40,6 +40,9 @@
 #   bash benchmarks/gpu.sh engine [CLIENTS [ARGS]] # there: what a served first token waits for, every engine call timed
 #                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py
 #                                                 # ARGS, e.g. --eval-joins, --split-step)
+#   bash benchmarks/gpu.sh first-use              # there: what a fresh process pays for each new kind of prefill and
+#                                                 # step, and a lone client's requests (benchmarks/first_use.py), twice:
+#                                                 # the second run in a new process sees what this machine cached
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
 #                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
@@ -246,6 +249,15 @@ engine_turns() {  # each engine call under a burst of streaming clients, and eac
     done
 }
 
+first_use() {  # what each new shape costs the first time, in a fresh process (#20's lone-client TTFT)
+    mkdir -p "$out"
+    local run
+    for run in 1 2; do
+        log "first use, run $run"
+        timeout 280 python3 benchmarks/first_use.py -m "$model" --json "$out/first-use-$run.json"
+    done
+}
+
 structured() {  # the price of a constraint's masks, side by side with the same loop without one
     mkdir -p "$out"
     for kernels in 1 0; do
@@ -375,6 +387,7 @@ case ${1:-} in
     bench) bench ;;
     serve) serve_bench "${2:-1,8,16,32}" "${3:-1}" ;;
     engine) shift; engine_turns "${1:-16}" "${@:2}" ;;
+    first-use) first_use ;;
     structured) structured ;;
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;

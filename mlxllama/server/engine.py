@@ -215,10 +215,13 @@ def make_decoder(runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUN
 
 
 def warm_up(decoder: BatchDecoder) -> None:
-    """Run a few tokens through `decoder` (a throwaway one) at 1, 2, 4 ... and the most rows, so
-    that what compiles per shape compiles before the first request rather than during one: on an
-    H100 each batch size class of the CUDA kernels took 4-8 s to compile, which a fresh server's
-    early requests waited for (docs/server.md). Every rank of a split model runs it alike."""
+    """Run a few tokens through `decoder` (a throwaway one) at 1, 2, 4 ... and the most rows, then
+    prefill prompts of 2, 3, 5, 9 ... tokens up to just past one chunk, so that what MLX's CUDA
+    backend loads or compiles on first use happens before the first request rather than during one.
+    On an H100 each batch size class of the CUDA kernels took 4-8 s to compile; a prefill of more
+    than 32 rows, the first on a machine, 82 s; and in a fresh process each new class of prefill
+    rows 100-200 ms, which a lone client's TTFT p95 was (docs/benchmarks.md). Every rank of a split
+    model runs it alike."""
     sizes = sorted({1 << i for i in range(decoder.batch_size.bit_length())} | {decoder.batch_size})
     prompt = [decoder.tokenizer.bos_id or 0] * 2
     for size in sizes:
@@ -228,6 +231,17 @@ def warm_up(decoder: BatchDecoder) -> None:
             decoder.prefill_chunk()
         while decoder.rows:
             decoder.step()
+    for length in prefill_ladder(decoder.chunk):
+        if decoder.context is not None and length > decoder.context:
+            break
+        decoder.admit(0, Request(prompt[:1] * length, 1))  # finished by its first token: it never steps
+        while decoder.joining:
+            decoder.prefill_chunk()
+
+
+def prefill_ladder(chunk: int) -> list[int]:
+    """Prompt lengths with one in every power-of-two class of rows up to a chunk, and one past it."""
+    return [(1 << k) + 1 for k in range(chunk.bit_length())]
 
 
 def default_kv_budget() -> int:

@@ -79,16 +79,24 @@ def test_a_newcomer_first_token_goes_out_before_the_running_rows_next_step():
     assert work[last_chunk + 2] == "step 2"  # the newcomer's second token comes from the step with both rows
 
 
-def test_warm_up_runs_every_batch_size_class_and_leaves_nothing_behind():
+def test_warm_up_runs_every_batch_size_class_and_prefill_class_and_leaves_nothing_behind():
     """What a GPU server runs before serving (engine.warm_up): a step at 1, 2, 4 ... and the most
-    rows, so that each size class of the CUDA kernels compiles before any request waits for it."""
+    rows, so that each size class of the CUDA kernels compiles before any request waits for it;
+    then a prefill in every power-of-two class of rows up to a chunk and past it, for the classes
+    of MLX's own kernels."""
     runtime = mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf")
-    decoder = BatchDecoder(runtime.model, runtime.tokenizer, 6)
-    sizes = []
-    step = decoder.step
+    decoder = BatchDecoder(runtime.model, runtime.tokenizer, 6, chunk=16)
+    sizes, admitted, fed = [], [], []
+    step, admit, hidden_states = decoder.step, decoder.admit, runtime.model.hidden_states
     decoder.step = lambda: (sizes.append(len(decoder.rows)), step())[1]
+    decoder.admit = lambda index, request: (admitted.append((len(request.ids), request.max_tokens)),
+                                            admit(index, request))[1]
+    runtime.model.hidden_states = lambda tokens, cache=None: (fed.append(tokens.shape[1]), hidden_states(tokens, cache))[1]
     warm_up(decoder)
     # Two tokens a request, the first sampled at prefill: a step samples the second, and (steps being
     # pipelined) the next reads it.
     assert sizes == [1, 1, 2, 2, 4, 4, 6, 6]
+    # The ladder's prompts end with their first token and never step; 17 tokens take two chunks.
+    assert [n for n, max_tokens in admitted if max_tokens == 1] == [2, 3, 5, 9, 17]
+    assert fed[-6:] == [2, 3, 5, 9, 16, 1]
     assert not decoder.rows and not decoder.joining and decoder.prompt_cache is None
