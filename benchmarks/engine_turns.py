@@ -188,17 +188,23 @@ class AppTimes:
 
     def __init__(self):
         self.requests: list[list[float | None]] = []
+        # each request's `user` field (serve_bench's "client.turn") and its engine ticket
+        self.tickets: list[tuple[str, object]] = []
         arrived = contextvars.ContextVar("arrived", default=None)
+        user = contextvars.ContextVar("user", default="")
         handler, submit, stream_text = Api.chat_completions, Completion.submit, OpenAICompletion.stream_text
 
         async def chat_completions(api, request):
             arrived.set(time.perf_counter())
+            user.set(json.loads(await request.body()).get("user", ""))  # Starlette keeps the body for the handler
             return await handler(api, request)
 
         def timed_submit(completion, request):
             completion.times = [arrived.get(), time.perf_counter(), None]
             self.requests.append(completion.times)
-            return submit(completion, request)
+            events = submit(completion, request)
+            self.tickets.append((user.get(), completion.ticket))
+            return events
 
         def timed_text(completion, *args):
             event = stream_text(completion, *args)
@@ -207,6 +213,10 @@ class AppTimes:
             return event
 
         Api.chat_completions, Completion.submit, OpenAICompletion.stream_text = chat_completions, timed_submit, timed_text
+
+    def clear(self) -> None:
+        self.requests.clear()
+        self.tickets.clear()
 
     def spans(self) -> tuple[list[float], list[float]]:
         """In ms: arrival to submission, and arrival to the first chunk out, of each request."""
@@ -249,6 +259,27 @@ def serve_in_thread(runtime, engine: Engine, port: int, lag: LoopLag):
     return server, thread
 
 
+def first_burst(clients: dict, app_times: AppTimes) -> list[dict]:
+    """Each client's first request (they arrive at once on an idle server), in ms from the first
+    client's start: sent, its handler started, handed to the engine, admitted, first token on the
+    host, first chunk out, and received by the client; the clock is the machine's (perf_counter)."""
+    start = clients["clock_start"]
+    by_user = {u: (times, ticket) for (u, ticket), times in zip(app_times.tickets, app_times.requests)}
+
+    def ms(t):
+        return None if t is None else round(1000 * (t - start), 1)
+
+    out = []
+    for number, requests in enumerate(clients["requests_by_client"]):
+        sent, ttft = requests[0]
+        (arrived, handed, first_out), ticket = by_user.get(f"{number}.0", ((None, None, None), None))
+        row = ticket.row if ticket is not None else None
+        out.append({"client": number, "sent": sent, "arrived": ms(arrived), "handed": ms(handed),
+                    "admitted": ms(row.start) if row else None, "first_token": ms(row.first_token_time) if row else None,
+                    "first_out": ms(first_out), "received": None if ttft is None else round(sent + ttft, 1)})
+    return sorted(out, key=lambda r: r["received"] or 0.0)
+
+
 def summary(values: list[float]) -> str:
     if not values:
         return "-"
@@ -288,7 +319,7 @@ def main():
     try:
         serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
         timeline.clear()
-        app_times.requests.clear()
+        app_times.clear()
         lag.measuring = gc_pauses.measuring = True
         clients = serve_bench.run(url, args.clients, args.requests, args.max_tokens)
     finally:
@@ -317,13 +348,24 @@ def main():
     if args.split_step:
         steps = [c[8] for c in timeline.calls if c[8] is not None]
         print("step parts, ms: " + "; ".join(f"{part} {summary([p[part] for p in steps])}" for part in PARTS))
+    burst = first_burst(clients, app_times)
+    print("the first burst, each client's first request, ms from the first client's start:"
+          " sent / handler / to engine / admitted / first token on the host / first chunk out / received")
+    for r in burst:
+        print("  " + " / ".join("-" if r[k] is None else f"{r[k]:.1f}" for k in
+                                ("sent", "arrived", "handed", "admitted", "first_token", "first_out", "received")))
+    burst_end = max((r["received"] or 0.0) for r in burst) if burst else 0.0
+    first_calls = [c for c in timeline.calls if 1000 * (c[1] - clients["clock_start"]) <= burst_end]
+    print("the engine's calls until then: " + ", ".join(
+        f"{c[0]} {1000 * (c[1] - clients['clock_start']):.1f}+{1000 * c[2]:.1f}" for c in first_calls))
     for name, at, seconds, rows, joining, rest, fed, cpu, split in slow[:40]:
         print(f"  {1000 * (at - start):9.1f} ms  {name:13s} {1000 * seconds:7.1f} ms (CPU {1000 * cpu:5.1f})"
               f"  rows {rows:2d}  joining {joining:2d}  first joiner: {rest} to feed after {fed}"
               + ("" if split is None else "  " + " ".join(f"{part} {split[part]:.1f}" for part in PARTS)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "clients": clients, "requests": requests, "loop_lag_ms": lag.lags,
+            json.dump({"model": args.model, "clients": clients, "requests": requests, "first_burst": burst,
+                       "loop_lag_ms": lag.lags,
                        "app_ms": {"to_engine": handed, "first_chunk_out": first_out},
                        "gc_pauses_ms": {str(g): p for g, p in gc_pauses.pauses.items()},
                        "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,

@@ -39,9 +39,11 @@ def streamed_chunks(client: httpx.Client, url: str, path: str, body: dict) -> It
                 yield json.loads(line[6:])
 
 
-def one_request(client: httpx.Client, url: str, question: str, max_tokens: int) -> dict:
+def one_request(client: httpx.Client, url: str, question: str, max_tokens: int, user: str = "") -> dict:
+    # `user` (which OpenAI's API takes and servers may ignore) names the client and turn, so that a
+    # server-side trace can match its requests to the client's (engine_turns.py)
     body = {"model": "any", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": user}
     start = time.perf_counter()
     arrivals, tokens = [], 0
     for chunk in streamed_chunks(client, url, "/v1/chat/completions", body):
@@ -53,23 +55,29 @@ def one_request(client: httpx.Client, url: str, question: str, max_tokens: int) 
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens or len(arrivals)}
 
 
-def one_client(url: str, number: int, requests: int, max_tokens: int, ready) -> tuple[float, float, list[dict]]:
+def one_client(url: str, number: int, requests: int, max_tokens: int, ready,
+               prime: bool = False) -> tuple[float, float, list[dict]]:
     # One httpx client a process, as an app keeps its SDK's: httpx.stream() makes a client for each
     # request, and its TLS context alone (17 ms of CPU, though the URL is http) was inside every TTFT,
     # 16 processes' worth at once in a burst, beside the server on the same cores. A connection a
     # request still, as before: llama-server closes a kept-alive one after a stream, unannounced.
     with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        if prime:  # the process's own first-request setup (connection pool, parsers) done before the clock
+            client.get(f"{url}/health")
         ready.wait()  # every client's process is up before any of them starts
         start = time.perf_counter()
-        results = [one_request(client, url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens)
+        results = [one_request(client, url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens, f"{number}.{i}")
                    for i in range(requests)]
     return start, time.perf_counter(), results
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    with multiprocessing.Manager() as manager, concurrent.futures.ProcessPoolExecutor(clients) as pool:
+def run(url: str, clients: int, requests: int, max_tokens: int, prime: bool = False) -> dict:
+    # Spawned, not forked: a server in the same process (engine_turns.py) would otherwise stop for
+    # each fork, its event loop's lag then 24 ms a client.
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
         ready = manager.Barrier(clients)
-        futures = [pool.submit(one_client, url, n, requests, max_tokens, ready) for n in range(clients)]
+        futures = [pool.submit(one_client, url, n, requests, max_tokens, ready, prime) for n in range(clients)]
         done = [f.result() for f in futures]
     # perf_counter is the system's monotonic clock on Linux: comparable across the clients' processes.
     first = min(start for start, _, _ in done)
@@ -80,7 +88,7 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     # Without each request's first gap: how long running streams wait, apart from when the first
     # token was sent relative to the second.
     later = sorted(g for r in results for g in r["gaps"][1:])
-    return {"clients": clients, "requests": len(results), "seconds": wall,
+    return {"clients": clients, "requests": len(results), "seconds": wall, "clock_start": first,
             "tokens_per_second": sum(r["tokens"] for r in results) / wall,
             "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
             "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p95_ms": 1000 * percentile(gaps, 95),
@@ -162,6 +170,8 @@ def main():
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--warmup", action="store_true",
                         help="one untimed request per client first (a GPU compiles kernels on first use)")
+    parser.add_argument("--prime", action="store_true",
+                        help="each client process makes one untimed GET /health before the clock starts")
     parser.add_argument("--label", default="", help="a name for the server in the output (--json)")
     parser.add_argument("--compare", nargs="+", metavar="JSON",
                         help="measure nothing: summarize the runs in these --json outputs, rounds pooled")
@@ -173,7 +183,7 @@ def main():
     for clients in (int(c) for c in args.clients.split(",")):
         if args.warmup:
             run(args.url, clients, 1, args.max_tokens)
-        row = run(args.url, clients, args.requests, args.max_tokens)
+        row = run(args.url, clients, args.requests, args.max_tokens, args.prime)
         rows.append(row)
         print(f"{clients:7d}  {row['requests']:8d}  {row['tokens_per_second']:8.1f}  "
               f"{row['ttft_p50_ms']:7.1f} / {row['ttft_p95_ms']:<7.1f} {row['itl_p50_ms']:6.1f} / {row['itl_p95_ms']:<6.1f}"

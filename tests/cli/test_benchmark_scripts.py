@@ -138,6 +138,12 @@ def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     assert names.count("admit") == 4 and names.count("step") >= 3 and "eval_joins" not in names
     assert all(0 <= c["cpu_ms"] for c in report["calls"]) and report["loop_lag_ms"]
     assert "admitted -> first token on the host" in printed and "event loop lag" in printed
+    # Each client's first request traced through the server, its moments in the order they happen
+    # (one clock: the clients' and the server's perf_counter are the machine's).
+    moments = ("sent", "arrived", "handed", "admitted", "first_token", "first_out", "received")
+    assert sorted(r["client"] for r in report["first_burst"]) == [0, 1]
+    assert all([r[k] for k in moments] == sorted(r[k] for k in moments) for r in report["first_burst"])
+    assert "the first burst" in printed
 
 
 def test_engine_turns_times_the_joins_apart_when_asked(tmp_path):
@@ -244,3 +250,20 @@ def test_serve_bench_compare_names_a_bad_file_in_one_line(tmp_path, content, mes
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith(f"serve_bench.py: {path}: ") and result.stderr.count("\n") == 1
     assert message in result.stderr
+
+
+def test_first_use_times_each_kind_of_work_and_a_lone_clients_requests(tmp_path):
+    """first_use.py on chat-tiny: every case of part 1 timed; part 2 asks the warm-up question and
+    then four, the first of them the warm-up's question again, which the prompt cache holds but for
+    its last token."""
+    out = tmp_path / "first-use.json"
+    printed = run_script("benchmarks/first_use.py", "--json", str(out))
+    report = json.loads(out.read_text())
+    kinds = {case["kind"] for case in report["model_firsts"]}
+    assert len(kinds) == 4 and len(report["model_firsts"]) == 20
+    assert all(case["ms"] > 0 for case in report["model_firsts"])
+    served = report["served_firsts"]
+    assert [s["case"] for s in served] == ["warm-up", "request 1", "request 2", "request 3", "request 4"]
+    assert served[0]["cached_tokens"] == 0 and served[1]["cached_tokens"] == served[1]["prompt_tokens"] - 1
+    assert all(s["first_token_ms"] > 0 for s in served)
+    assert "one client through the engine" in printed
