@@ -1,14 +1,14 @@
 """Throughput and latency of an OpenAI-compatible server under concurrent streaming clients.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8080 [--clients 1,8,32] [--requests 4]
-        [--max-tokens 64] [--warmup] [--json OUT] [--label NAME]
+        [--max-tokens 64] [--warmup] [--prime] [--json OUT] [--label NAME]
     python benchmarks/serve_bench.py --compare OUT.json ...
 
 Each of C clients sends --requests streamed chat completions one after another (greedy, the same
 few questions in turn, `stream_options.include_usage`); C = each of --clients in turn. Each client
-is a process of its own, started before the clock, so that the clients' own parsing (Python, one
-core each) does not cap what a fast server can deliver. Reports, per C: aggregate generated
-tokens/s (all completion tokens over the wall time), time to first token and inter-token latency
+is a process of its own (spawned), started before the clock, so that the clients' own parsing
+(Python, one core each) does not cap what a fast server can deliver. Reports, per C: aggregate
+generated tokens/s (all completion tokens over the wall time), time to first token and inter-token latency
 (the gaps between streamed chunks), p50 and p95, and the inter-token p95 without each request's
 first gap. It speaks only the OpenAI API, so it measures `mlxllama serve` and llama.cpp's
 `llama-server` alike.
