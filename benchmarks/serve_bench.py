@@ -73,7 +73,8 @@ def one_client(url: str, number: int, requests: int, max_tokens: int, ready,
 
 def run(url: str, clients: int, requests: int, max_tokens: int, prime: bool = False) -> dict:
     # Spawned, not forked: a server in the same process (engine_turns.py) would otherwise stop for
-    # each fork, its event loop's lag then 24 ms a client.
+    # each fork, its event loop's lag then 24 ms a client. Each child imports the calling script, so
+    # a script that calls this keeps its work under `if __name__ == "__main__"`.
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
         ready = manager.Barrier(clients)
