@@ -188,8 +188,8 @@ class AppTimes:
 
     def __init__(self):
         self.requests: list[list[float | None]] = []
-        # each request's `user` field (serve_bench's "client.turn") and its engine ticket
-        self.tickets: list[tuple[str, object]] = []
+        # by each request's `user` field (serve_bench's "client.turn"): its times and its engine ticket
+        self.by_user: dict[str, tuple[list[float | None], object]] = {}
         arrived = contextvars.ContextVar("arrived", default=None)
         user = contextvars.ContextVar("user", default="")
         handler, submit, stream_text = Api.chat_completions, Completion.submit, OpenAICompletion.stream_text
@@ -203,7 +203,7 @@ class AppTimes:
             completion.times = [arrived.get(), time.perf_counter(), None]
             self.requests.append(completion.times)
             events = submit(completion, request)
-            self.tickets.append((user.get(), completion.ticket))
+            self.by_user[user.get()] = (completion.times, completion.ticket)
             return events
 
         def timed_text(completion, *args):
@@ -216,7 +216,7 @@ class AppTimes:
 
     def clear(self) -> None:
         self.requests.clear()
-        self.tickets.clear()
+        self.by_user.clear()
 
     def spans(self) -> tuple[list[float], list[float]]:
         """In ms: arrival to submission, and arrival to the first chunk out, of each request."""
@@ -264,7 +264,6 @@ def first_burst(clients: dict, app_times: AppTimes) -> list[dict]:
     client's start: sent, its handler started, handed to the engine, admitted, first token on the
     host, first chunk out, and received by the client; the clock is the machine's (perf_counter)."""
     start = clients["clock_start"]
-    by_user = {u: (times, ticket) for (u, ticket), times in zip(app_times.tickets, app_times.requests)}
 
     def ms(t):
         return None if t is None else round(1000 * (t - start), 1)
@@ -272,7 +271,7 @@ def first_burst(clients: dict, app_times: AppTimes) -> list[dict]:
     out = []
     for number, requests in enumerate(clients["requests_by_client"]):
         sent, ttft = requests[0]
-        (arrived, handed, first_out), ticket = by_user.get(f"{number}.0", ((None, None, None), None))
+        (arrived, handed, first_out), ticket = app_times.by_user.get(f"{number}.0", ((None, None, None), None))
         row = ticket.row if ticket is not None else None
         out.append({"client": number, "sent": sent, "arrived": ms(arrived), "handed": ms(handed),
                     "admitted": ms(row.start) if row else None, "first_token": ms(row.first_token_time) if row else None,

@@ -33,6 +33,7 @@ import mlx.core as mx  # noqa: E402
 
 import mlxllama  # noqa: E402
 from mlxllama.batching import BatchDecoder, Request  # noqa: E402
+from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.generate import prefill  # noqa: E402
 from mlxllama.prompt import build_prompt, choose_template  # noqa: E402
 from mlxllama.server import launch_without_cuda_graphs  # noqa: E402
@@ -120,7 +121,7 @@ def served_firsts(runtime) -> list[dict]:
             ms = 1000 * (first[0] - start) if first else None
             label = "warm-up" if turn == 0 else f"request {turn}"
             print(f"  {label:10s} {len(prompt.ids):3d} prompt tokens, {ticket.row.cached_tokens:3d} cached:"
-                  f" {ms:8.1f} ms")
+                  f" {'no first token' if ms is None else f'{ms:8.1f} ms'}")
             out.append({"case": label, "prompt_tokens": len(prompt.ids), "cached_tokens": ticket.row.cached_tokens,
                         "first_token_ms": round(ms, 2) if ms is not None else None})
     finally:
@@ -135,7 +136,11 @@ def main():
     parser.add_argument("--served-only", action="store_true", help="part 2 alone, in a fresh process")
     args = parser.parse_args()
     launch_without_cuda_graphs()
-    runtime = mlxllama.load(args.model)
+    try:
+        runtime = mlxllama.load(args.model)
+    except MlxLlamaError as e:
+        print(f"first_use.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"{Path(args.model).name} on {mx.default_device()}")
     results = {"model": Path(args.model).name, "device": str(mx.default_device())}
     if not args.served_only:

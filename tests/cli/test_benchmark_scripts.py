@@ -175,10 +175,11 @@ def test_engine_turns_splits_each_step_and_times_the_app(tmp_path):
     assert "step parts, ms" in printed and "arrival -> first chunk out" in printed and "gc pauses" in printed
 
 
-def test_engine_turns_names_a_bad_model_in_one_line(tmp_path):
+@pytest.mark.parametrize("script", ["engine_turns.py", "first_use.py"])
+def test_a_server_probe_names_a_bad_model_in_one_line(tmp_path, script):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(open(find_fixture_model("chat-tiny-Q4_K_M.gguf"), "rb").read(1000))
-    result = subprocess.run([sys.executable, "benchmarks/engine_turns.py", "-m", str(truncated)], cwd=REPO,
+    result = subprocess.run([sys.executable, f"benchmarks/{script}", "-m", str(truncated)], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "truncated or corrupt" in result.stderr
