@@ -216,7 +216,8 @@ def plan_parallel(parallel: str | None, config: ModelConfig, native: bool) -> Sh
     w = world()
     if parallel is None or w.size == 1:
         return None
-    return plan_shard(config, w.rank, w.size, w.group, pipeline=parallel == "pipeline", native=native)
+    return plan_shard(config, w.rank, w.size, w.group, pipeline=parallel == "pipeline", native=native,
+                      hand_over="sum" if on_cuda() else "send")
 
 
 def on_cuda() -> bool:

@@ -33,6 +33,9 @@ class Shard:
     layers: range
     group: Any = None  # the mx.distributed group the all-reduces and hand-overs use
     reason: str = ""  # why a pipeline was chosen when tensor parallelism was not asked against
+    # How a pipeline stage passes its output on: "send" to the next stage, or "sum", an all-sum of
+    # every rank (MLX 0.32 has no send or receive on CUDA, where NCCL runs its collectives).
+    hand_over: str = "send"
 
     @property
     def first(self) -> bool:
@@ -78,9 +81,10 @@ class Shard:
 
 
 def plan_shard(config: ModelConfig, rank: int, size: int, group=None, pipeline: bool = False,
-               native: bool = True) -> Shard:
+               native: bool = True, hand_over: str = "send") -> Shard:
     """The part of the model `rank` of `size` holds: tensor parallel unless `pipeline` is asked
-    for or the model does not split so (then a pipeline, its reason kept in the Shard)."""
+    for or the model does not split so (then a pipeline, its reason kept in the Shard, its stages
+    handing over by `hand_over`)."""
     if size < 1 or not 0 <= rank < size:
         raise MlxLlamaError(f"rank {rank} of {size} ranks")
     reason = "" if pipeline else tensor_split_problem(config, size, native)
@@ -90,7 +94,7 @@ def plan_shard(config: ModelConfig, rank: int, size: int, group=None, pipeline: 
         raise MlxLlamaError(f"a pipeline of {size} ranks needs at least as many layers; the model has {config.n_layers}")
     base, extra = divmod(config.n_layers, size)
     start = rank * base + min(rank, extra)
-    return Shard("pipeline", rank, size, range(start, start + base + (rank < extra)), group, reason)
+    return Shard("pipeline", rank, size, range(start, start + base + (rank < extra)), group, reason, hand_over)
 
 
 def tensor_split_problem(config: ModelConfig, size: int, native: bool) -> str:

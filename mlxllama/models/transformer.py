@@ -329,13 +329,15 @@ class Transformer(nn.Module):
         """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
         h = self.embed(tokens)
         masks = self.masks(tokens.shape[1], cache)
+
+        def own_blocks(h: mx.array) -> mx.array:
+            h_compute = None
+            for i, block in enumerate(self.blk):
+                h, h_compute = block(h, masks[block.window], cache[i] if cache else None, h_compute)
+            return h
+
         stage = self.shard if self.shard and self.shard.mode == "pipeline" else None
-        if stage and not stage.first:  # a later stage starts from the one before's output
-            h = mx.distributed.recv_like(h, stage.rank - 1, group=stage.group)
-        h_compute = None
-        for i, block in enumerate(self.blk):
-            h, h_compute = block(h, masks[block.window], cache[i] if cache else None, h_compute)
-        return hand_on(h, stage) if stage else h
+        return pipeline(h, stage, own_blocks) if stage else own_blocks(h)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """tokens [batch, length] -> the residual stream's start [batch, length, hidden] (float32)."""
@@ -365,13 +367,22 @@ class Transformer(nn.Module):
         return cap * mx.tanh(logits / cap) if cap else logits
 
 
-def hand_on(h: mx.array, stage: Shard) -> mx.array:
-    """A pipeline stage's output passed to the next stage; the last stage's, to every rank (each
-    computes the head, so that all of them hold the same logits and run the same loop)."""
-    last = stage.rank == stage.size - 1
-    if not last:
-        h = mx.depends(mx.zeros_like(h), mx.distributed.send(h, stage.rank + 1, group=stage.group))
-    return mx.distributed.all_sum(h, group=stage.group)
+def pipeline(h: mx.array, stage: Shard, own_blocks) -> mx.array:
+    """The last stage's output on every rank (each computes the head, so that all of them hold the
+    same logits and run the same loop), from the embedding `h` and this stage's `own_blocks`."""
+    if stage.hand_over == "send":
+        if not stage.first:  # a later stage starts from the one before's output
+            h = mx.distributed.recv_like(h, stage.rank - 1, group=stage.group)
+        h = own_blocks(h)
+        if stage.rank < stage.size - 1:
+            h = mx.depends(mx.zeros_like(h), mx.distributed.send(h, stage.rank + 1, group=stage.group))
+        return mx.distributed.all_sum(h, group=stage.group)
+    # Collectives only: each hand-over is an all-sum of the stage that ran and the others' zeros.
+    # Every rank joins every hand-over, in order: each zero is computed after the hand-over before.
+    for k in range(stage.size):
+        mine = own_blocks(h) if k == stage.rank else mx.depends(mx.zeros_like(h), h)
+        h = mx.distributed.all_sum(mine, group=stage.group)
+    return h
 
 
 # Past this many keys the fused kernel's one compile is cheap next to the prefill it serves, and an

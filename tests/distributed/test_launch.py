@@ -1,17 +1,22 @@
 """Models split over two processes of `mlx.launch --backend ring` on 127.0.0.1, as a user runs them:
 the single process's answer from either split, rank 0 alone writing, a batch spread over ranks
-written as one process writes it, and a killed rank ending the run without losing results."""
+written as one process writes it, and a killed rank ending the run without losing results.
+
+MLXLLAMA_LAUNCH_BACKEND=nccl runs the same tests over NCCL, one GPU a rank, on a machine of
+several GPUs (`benchmarks/gpu.sh multi` does)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -20,6 +25,7 @@ from conftest import PACKAGE_DATA, REPO_FIXTURES, free_port, wait_until_serving
 import mlxllama
 
 BIN = Path(sys.executable).parent
+BACKEND = os.environ.get("MLXLLAMA_LAUNCH_BACKEND", "ring")
 CHAT_TINY = PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf"
 HERE = Path(__file__).parent
 # Mean KL divergence of a split model's next-token distributions from one process's: the split
@@ -27,19 +33,31 @@ HERE = Path(__file__).parent
 MAX_KL = 1e-4
 
 
+def installed(name: str) -> str:
+    """A console script of this interpreter's environment, else the one on PATH (the GPU machine's
+    wrappers, where the packages are unpacked rather than installed)."""
+    return str(BIN / name) if (BIN / name).exists() else shutil.which(name) or name
+
+
+def launch_command(*command: str, n: int = 2, port: int | None = None) -> list[str]:
+    """`mlx.launch -n N -- COMMAND` over BACKEND from `port`: the ring's ranks listen on it and the
+    N - 1 after it, NCCL's rank 0 on it alone."""
+    port = port or free_port(n)
+    ports = ["--starting-port", str(port)] if BACKEND == "ring" else ["--nccl-port", str(port)]
+    return [installed("mlx.launch"), "-n", str(n), "--backend", BACKEND, *ports, "--", *command]
+
+
 def launch(*command: str, n: int = 2, timeout: float = 240, stdin: str | None = None, **kwargs):
-    """`mlx.launch -n N --backend ring -- COMMAND` (mlx.launch exits 0 whatever its ranks do, so
-    callers check the output)."""
-    return subprocess.run([str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring", "--starting-port",
-                           str(free_port(n)), "--", *command], input=stdin, capture_output=True, text=True,
+    """Run `launch_command` (mlx.launch exits 0 whatever its ranks do, so callers check the output)."""
+    return subprocess.run(launch_command(*command, n=n), input=stdin, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
 
 
 def mlxllama_cli(*args: str) -> list[str]:
-    return [str(BIN / "mlxllama"), *args]
+    return [installed("mlxllama"), *args]
 
 
-SPLITS = [(CHAT_TINY, "tensor", "tensor"), (CHAT_TINY, "pipeline", "pipeline"),
+SPLITS = [(CHAT_TINY, "tensor", "tensor"), (CHAT_TINY, "pipeline", "pipeline"), (CHAT_TINY, "pipeline-sum", "pipeline"),
           # GQA with Q/K norms and heads of 128; fused Q/K/V and gate/up; two mixtures of experts
           (REPO_FIXTURES / "qwen3-tiny-Q4_K_M.gguf", "tensor", "tensor"),
           (REPO_FIXTURES / "phi3-tiny-Q5_K_M.gguf", "tensor", "tensor"),
@@ -58,14 +76,15 @@ def test_split_models_give_the_single_process_logits_and_ids(tmp_path):
     result = launch(sys.executable, str(HERE / "split_run.py"), str(tmp_path),
                     *[f"{path}:{mode}" for path, mode, _ in SPLITS])
     assert result.returncode == 0 and not result.stderr.count("Traceback"), result.stderr
-    for n, (path, _, mode) in enumerate(SPLITS):
-        runtime = mlxllama.load(path)
+    for n, (path, asked, mode) in enumerate(SPLITS):
+        runtime = mlxllama.load(path, dtype=mx.float32)  # as split_run.py, on a GPU too
         ids = runtime.tokenize("The capital of France is")
         logits = runtime.logits(ids)
         ranks = [np.load(tmp_path / f"{rank}-{n}.npz") for rank in range(2)]
         assert str(ranks[0]["mode"]) == mode, path.name
         if mode == "pipeline":
             assert [list(r["layers"]) for r in ranks] == [[0, 1, 2], [3, 4, 5]]
+            assert asked != "pipeline-sum" or str(ranks[0]["hand_over"]) == "sum"
         p, q = softmax(logits), softmax(ranks[0]["logits"])
         kl = float((p * (np.log(p) - np.log(q))).sum(-1).mean())
         assert kl < MAX_KL, (path.name, kl)
@@ -134,8 +153,7 @@ def rank_pid(rank: int, tag: str) -> int | None:
 def test_a_killed_rank_ends_the_run_and_a_rerun_loses_nothing(tmp_path):
     prompts = prompts_file(tmp_path / "in.jsonl", 40)
     out = tmp_path / "out.jsonl"
-    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2)), "--",
-               *mlxllama_cli("batch", str(prompts), "-o", str(out), "-n", "16", "-b", "2", "--data-parallel")]
+    command = launch_command(*mlxllama_cli("batch", str(prompts), "-o", str(out), "-n", "16", "-b", "2", "--data-parallel"))
     tag = str(time.time_ns())
     env = {**os.environ, "MLXLLAMA_TEST_RUN": tag}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as run:
@@ -193,12 +211,11 @@ def test_each_rank_holds_its_share_of_the_layers_and_the_replicated_rest(tmp_pat
 # split, and the pipeline's forward pass is tested through generate, chat and batch above.
 @pytest.mark.parametrize("split", [[]])
 def test_serve_under_launch_answers_concurrent_clients_as_one_process(split):
-    import openai
+    openai = pytest.importorskip("openai")  # a test extra; the GPU machine has it only where carried
 
-    ring = free_port(2)
-    port = next(p for p in iter(free_port, None) if p not in (ring, ring + 1))
-    command = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(ring), "--",
-               *mlxllama_cli("serve", "--port", str(port), *split)]
+    ranks = free_port(2)
+    port = next(p for p in iter(free_port, None) if p not in (ranks, ranks + 1))
+    command = launch_command(*mlxllama_cli("serve", "--port", str(port), *split), port=ranks)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as server:
         try:
@@ -226,3 +243,22 @@ def test_serve_under_launch_answers_concurrent_clients_as_one_process(split):
             os.killpg(server.pid, signal.SIGTERM)
             _, stderr = server.communicate(timeout=30)
     assert "Traceback" not in stderr, stderr
+
+
+def test_split_parity_and_allreduce_cost_measure_a_launched_split(tmp_path):
+    """The scripts behind docs/benchmarks.md's several-GPU run, on the ring: a split against one
+    process (float32 here, so equal ids and logits within the split's reordering) and what an
+    all-reduce adds to a step."""
+    ref, report, cost = tmp_path / "ref.npz", tmp_path / "parity.json", tmp_path / "allreduce.json"
+    script = str(HERE.parent.parent / "benchmarks" / "split_parity.py")
+    subprocess.run([sys.executable, script, str(CHAT_TINY), "--save", str(ref), "-n", "12"], check=True,
+                   capture_output=True, timeout=120)
+    result = launch(sys.executable, script, str(CHAT_TINY), "--against", str(ref), "--pipeline", "--json", str(report))
+    assert "chat-tiny-Q4_K_M.gguf pipeline x2: greedy ids equal" in result.stdout, result.stdout + result.stderr
+    parity = json.loads(report.read_text())
+    assert parity["tokens"] == 12 and parity["greedy_equal"] and parity["max_abs_logit_diff"] < 1e-3
+    launch(sys.executable, str(HERE.parent.parent / "benchmarks" / "allreduce_cost.py"), "--hidden", "64",
+           "--rows", "1,4", "--repeats", "2", "--count", "4", "--json", str(cost))
+    rows = json.loads(cost.read_text())
+    assert [(r["ranks"], r["rows"], r["hidden"]) for r in rows] == [(2, 1, 64), (2, 4, 64)]
+    assert all(r["chain_ms"] > 0 for r in rows)

@@ -117,3 +117,15 @@ def test_widths_are_cut_along_whole_groups_in_native_mode_only():
 def test_a_pipeline_needs_a_layer_a_rank():
     with pytest.raises(MlxLlamaError, match="at least as many layers"):
         plan_shard(config_of(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf"), 0, 3, pipeline=True)
+
+
+@pytest.mark.parametrize("cuda, hand_over", [(False, "send"), (True, "sum")])
+def test_pipeline_stages_hand_over_by_all_sums_on_cuda(monkeypatch, cuda, hand_over):
+    # MLX 0.32 has no send or receive on CUDA (NCCL's stream): "Send has no CUDA implementation".
+    from mlxllama import runtime
+    from mlxllama.distributed import World
+
+    monkeypatch.setattr(runtime, "world", lambda: World(None, 1, 2))
+    monkeypatch.setattr(runtime, "on_cuda", lambda: cuda)
+    shard = runtime.plan_parallel("pipeline", config_of(CHAT_TINY), native=True)
+    assert (shard.mode, shard.rank, shard.layers, shard.hand_over) == ("pipeline", 1, range(3, 6), hand_over)
