@@ -43,6 +43,15 @@
 #   bash benchmarks/gpu.sh first-use              # there: what a fresh process pays for each new kind of prefill and
 #                                                 # step, and a lone client's requests (benchmarks/first_use.py), twice:
 #                                                 # the second run in a new process sees what this machine cached
+#   bash benchmarks/gpu.sh multi check            # there, on a machine of 4 GPUs: allreduce_cost.py, split_parity.py on
+#                                                 # the TinyLlama-shape file (2 and 4 GPUs, tensor and pipeline), then
+#                                                 # tests/distributed's commands over NCCL (MULTI_SECONDS: a phase's
+#                                                 # time); starts writing the Llama-3-8B-shape file in the background
+#   bash benchmarks/gpu.sh multi bench [tiny|8b [ours|llama]]  # there: bench -p 512 -n 128 -b 1,16 in one process (kernels, plain
+#                                                 # step) and split over 2 and 4 GPUs by tensor and as a pipeline,
+#                                                 # split_parity.py, then llama-bench and llama-batched-bench with
+#                                                 # -sm layer and row on the same GPUs; each phase's files come back
+#                                                 # as $OUT/multi-PHASE.tgz (benchmarks/multi_gpu_table.py reads them)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
 #                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
@@ -128,6 +137,9 @@ payload() {
 
 stash() {
     mkdir -p "$work/site"
+    # MLX's CUDA kernels compiled on an earlier machine (gpu.sh multi brings them back as $OUT/mlx-ptx.tgz):
+    # MLX reads them from /tmp/mlx instead of compiling for minutes on a fresh machine.
+    [ -f "$1/mlx-ptx.tgz" ] && tar xzf "$1/mlx-ptx.tgz" -C /tmp
     cp "$1"/*.part* "$1"/llama.parts "$work/" 2> /dev/null
     for wheel in "$1"/*.whl; do [ -f "$wheel" ] && python3 -m zipfile -e "$wheel" "$work/site"; done
     if [ -f "$1/llama.parts" ] && [ "$(ls "$work"/llama.part?? | wc -l)" = "$(cat "$work/llama.parts")" ]; then
@@ -379,6 +391,128 @@ versus() {  # the plain MLX step against mlx-lm's loop (#22), in one process; th
     done
 }
 
+# Several GPUs (#27): mlx.launch over NCCL, one GPU a rank. NVLink multicast stays off (the
+# machines' rule: it can take a shared host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0
+big=$work/llama-3-8b-Q4_K_M.gguf
+multi_out=$work/multi
+budget=${MULTI_SECONDS:-540}  # a phase's steps stop starting after this many seconds (a call has 600)
+
+left() { echo $((budget - SECONDS)); }
+
+launcher() {  # mlx.launch and mlxllama as a user has them on PATH (the packages are unpacked, not installed)
+    mkdir -p "$work/bin" "$multi_out"
+    printf '#!/bin/sh\nexec python3 -c "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = \\"mlx.launch\\"; main()" "$@"\n' \
+        > "$work/bin/mlx.launch"
+    printf '#!/bin/sh\nexec python3 -m mlxllama "$@"\n' > "$work/bin/mlxllama"
+    chmod +x "$work/bin/mlx.launch" "$work/bin/mlxllama"
+    export PATH=$work/bin:$PATH
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+}
+
+ranks() {  # N COMMAND...: the command under mlx.launch over NCCL on GPUs 0..N-1 (alone for N = 1)
+    local n=$1 limit
+    shift
+    limit=$(left)
+    [ "$limit" -gt 20 ] || { echo "skipped (out of time): $*" >&2; return; }
+    [ "$limit" -lt 240 ] || limit=240
+    if [ "$n" = 1 ]; then timeout -k 10 $limit "$@"; else
+        timeout -k 10 $limit mlx.launch -n "$n" --backend nccl --nccl-port $((20000 + RANDOM % 20000)) -- "$@"
+    fi
+    pkill -f "[p]ython3 -m mlxllama"; pkill -f "[s]plit_parity.py"; pkill -f "[a]llreduce_cost.py"; true
+}
+
+multi_check() {
+    launcher
+    if [ ! -f "$big" ] && ! pgrep -f "[l]lama-3-8b" > /dev/null; then  # for `multi bench 8b`, in a later call
+        setsid nohup python3 -c "from mlxllama import synthetic; synthetic.write('$big.part', 'llama-3-8b')
+import os; os.rename('$big.part', '$big')" > "$work/write-8b.log" 2>&1 < /dev/null &
+    fi
+    local o=$multi_out n
+    for n in 2 4; do
+        log "allreduce_cost.py, $n GPUs"
+        ranks $n python3 benchmarks/allreduce_cost.py --json "$o/allreduce-$n.json"
+    done
+    multi_parity "$model" tiny "2-tensor 2-pipeline 4-tensor 4-pipeline"
+    # The commands as a user runs them under mlx.launch (chat-tiny: generate, chat, batch, serve), 2 GPUs.
+    log "tests/distributed over NCCL, 2 GPUs ($(left) s left)"
+    [ "$(left)" -gt 60 ] && MLXLLAMA_LAUNCH_BACKEND=nccl timeout -k 10 $(left) python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/distributed -k "generate_and_chat or batch_split or serve or errors" > "$o/pytest-distributed-nccl.log" 2>&1
+    grep -v "^E  \|^    \|^$" "$o/pytest-distributed-nccl.log" | tail -25
+    multi_pack check
+}
+
+multi_parity() {  # FILE TAG "N-SPLIT ...": split_parity.py, one process against each split
+    local o=$multi_out config
+    log "split_parity.py $2"
+    ranks 1 python3 benchmarks/split_parity.py "$1" --save "$o/parity-$2-ref.npz" -n 32
+    for config in $3; do
+        ranks ${config%-*} python3 benchmarks/split_parity.py "$1" --against "$o/parity-$2-ref.npz" \
+            $([ ${config#*-} = pipeline ] && echo --pipeline) --json "$o/parity-$2-$config.json"
+    done
+    rm -f "$o/parity-$2-ref.npz"
+}
+
+multi_bench() {  # tiny|8b [ours|llama|both]: the speed table's rows, ours then llama.cpp's, on the same GPUs
+    launcher
+    local o=$multi_out tag=${1:-tiny} which=${2:-both} file=$model n split bin=$work/llama-build/bin
+    if [ "$tag" = 8b ]; then
+        file=$big
+        while [ ! -f "$big" ] && pgrep -f "[l]lama-3-8b" > /dev/null; do sleep 2; done
+        [ -f "$big" ] || { cat "$work/write-8b.log"; return; }
+    fi
+    if [ "$which" != llama ]; then
+        local bench="mlxllama bench -m $file -p 512 -n 128 -b 1,16 -r 3 --json"
+        log "bench $tag, one process: kernels, then the plain step"
+        ranks 1 $bench > "$o/bench-$tag-1-kernels.json"
+        MLXLLAMA_CUDA_KERNELS=0 ranks 1 $bench > "$o/bench-$tag-1-plain.json"
+        for n in 2 4; do
+            for split in tensor pipeline; do
+                log "bench $tag, $n GPUs, $split"
+                ranks $n $bench $([ $split = pipeline ] && echo --pipeline) > "$o/bench-$tag-$n-$split.json"
+            done
+        done
+        python3 -c "import glob, json
+for f in sorted(glob.glob('$o/bench-$tag-*.json')):
+    try: r = json.load(open(f))
+    except ValueError: print(f, 'no result'); continue
+    print(f.split('/')[-1], r['parallel'] or '-', [(t['name'], t['batch'], round(t['tokens_per_second'], 1)) for t in r['tests']],
+          [round(x['weight_bytes'] / 2**20) for x in r['ranks']] or round(r['weight_bytes'] / 2**20))"
+        [ "$tag" = tiny ] || multi_parity "$file" "$tag" "2-tensor 4-tensor"
+    fi
+    [ "$which" = ours ] || while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    if [ "$which" != ours ] && [ -f "$work/llama-build.done" ]; then
+        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+        local gpus sm
+        for gpus in 0 0,1 0,1,2,3; do
+            n=$(( (${#gpus} + 1) / 2 ))
+            sm=$([ $n = 1 ] && echo none || echo layer,row)
+            [ "$(left)" -gt 30 ] || break
+            # one -sm a run: this llama.cpp refuses -sm row ("device CUDA0 does not support split buffers"),
+            # and llama-bench drops a whole run's results at its first failure
+            for sm in ${sm//,/ }; do
+                log "llama-bench $tag, GPUs $gpus, -sm $sm"
+                CUDA_VISIBLE_DEVICES=$gpus timeout 150 "$bin/llama-bench" -m "$file" -p 512 -n 128 -r 3 -ngl 99 -fa on -sm $sm \
+                    -o json > "$o/llama-bench-$tag-$n-$sm.json" 2> "$o/llama-bench-$tag-$n-$sm.err" || tail -1 "$o/llama-bench-$tag-$n-$sm.err"
+                CUDA_VISIBLE_DEVICES=$gpus timeout 100 "$bin/llama-batched-bench" -m "$file" -c 4096 -b 2048 -ub 512 -npp 1 \
+                    -ntg 128 -npl 1,16 -ngl 99 -fa on -sm $sm 2>&1 | grep "^|" > "$o/llama-batched-$tag-$n-$sm.md"
+            done
+        done
+        python3 -c "import glob, json
+for f in sorted(glob.glob('$o/llama-bench-$tag-*.json')):
+    try: print(f.split('/')[-1], [(r['split_mode'], r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(f))])
+    except ValueError: print(f, 'no result')"
+        tail -n 2 "$o"/llama-batched-$tag-*.md
+    fi
+    multi_pack "bench-$tag-$which"
+}
+
+multi_pack() {  # the phase's files back in one (a call brings back at most 8), and MLX's compiled kernels
+    mkdir -p "$out"
+    tar czf "$out/multi-$1.tgz" -C "$work" multi && rm -rf "$multi_out"
+    [ -d /tmp/mlx ] && tar czf "$out/mlx-ptx.tgz" -C /tmp mlx
+}
+
 case ${1:-} in
     payload) shift; payload "$@" ;;
     stash) stash "$2" ;;
@@ -393,5 +527,6 @@ case ${1:-} in
     models) models ;;
     kv) kv_depth ;;
     versus) shift; versus "$@" ;;
-    *) sed -n '2,48p' "$0"; exit 2 ;;
+    multi) case ${2:-} in check) multi_check ;; bench) multi_bench "${3:-tiny}" "${4:-both}" ;; *) sed -n '2,60p' "$0"; exit 2 ;; esac ;;
+    *) sed -n '2,60p' "$0"; exit 2 ;;
 esac

@@ -555,7 +555,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 @main.command("bench")
 @model_option
 @click.option("--synthetic", metavar="NAME",
-              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b, qwen3-0.6b), written to"
+              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b, qwen3-0.6b, llama-3-8b), written to"
                    " --model if given (an existing file there is reused), else to a temporary file.")
 @click.option("--quant", default="Q4_K_M", show_default=True, help="Quantization mix of --synthetic.")
 @click.option("--n-prompt", "-p", default=512, show_default=True, help="Prompt tokens for pp (0 skips it).")

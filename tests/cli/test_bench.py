@@ -94,6 +94,17 @@ def test_qwen3_layout_is_qwen3_0_6b_in_q4_k_m():
     assert params == 596_049_920 and params - 151936 * 1024 == 440_467_456
 
 
+def test_llama3_8b_layout_is_the_published_q4_k_m():
+    layout = synthetic.tensor_types(synthetic.SHAPES["llama-3-8b"])
+    assert layout["token_embd.weight"] == ((128256, 4096), QT.Q4_K) and layout["output.weight"] == ((128256, 4096), QT.Q6_K)
+    assert layout["blk.0.attn_k.weight"] == ((1024, 4096), QT.Q4_K) and layout["blk.0.ffn_gate.weight"] == ((14336, 4096), QT.Q4_K)
+    # What llama.cpp logs loading Meta-Llama-3-8B-Instruct Q4_K_M: f32 65, q4_K 193, q6_K 33 tensors.
+    assert Counter(t for _, t in layout.values()) == {QT.Q4_K: 193, QT.Q6_K: 33, QT.F32: 65}
+    assert sum(int(np.prod(s)) for s, _ in layout.values()) == 8_030_261_248  # Llama 3 8B's parameters
+    size = sum(np.prod(s) // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for s, t in layout.values())
+    assert size == 4_912_898_048
+
+
 def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
     """A scaled-down shape through the same writer: the file is valid GGUF and runs in both modes."""
     small = synthetic.Shape(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=32000, context=256,

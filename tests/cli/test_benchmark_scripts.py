@@ -268,3 +268,16 @@ def test_first_use_times_each_kind_of_work_and_a_lone_clients_requests(tmp_path)
     assert served[0]["cached_tokens"] == 0 and served[1]["cached_tokens"] == served[1]["prompt_tokens"] - 1
     assert all(s["first_token_ms"] > 0 for s in served)
     assert "one client through the engine" in printed
+
+
+def test_multi_gpu_table_reads_the_committed_several_gpu_run():
+    tables = run_script("benchmarks/multi_gpu_table.py", "benchmarks/results/h100x4-multi-gpu")
+    # docs/benchmarks.md quotes these rows: ours split over 2 GPUs, llama.cpp's row split refusing to load
+    assert "| 2 | mlxllama, tensor | 13673 | 87.6 | 1107 | 3105 |" in tables
+    assert "| 2 | llama.cpp -sm layer | 9473 | 268.3 | 2023 | - |" in tables
+    assert "| 4 | llama.cpp -sm row | failed to load |" in tables and "| 4 | mlxllama, pipeline | not run |" in tables
+    assert "| 2 | 1 × 4096 | 45.6 |" in tables
+    assert "part at 18: a near-tie (margin 0.0117 < 0.0742)" in tables
+    missing = subprocess.run([sys.executable, "benchmarks/multi_gpu_table.py", "no-such-folder"], cwd=REPO,
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr == "multi_gpu_table.py: no-such-folder is not a folder\n"
