@@ -179,6 +179,12 @@ run_tests() {
     grep -v "^E  \|^    \|^$" "$out/pytest.log" | tail -40
 }
 
+llama_cpp_built() {  # wait for the background build; where it finished, its cuBLAS on the library path
+    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
+    [ -f "$work/llama-build.done" ] || return 1
+    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+}
+
 bench() {
     mkdir -p "$out"
     # native: decoding (1, 8 and 16 sequences) goes through mlxllama.cuda's kernels; plain: the same
@@ -198,9 +204,7 @@ bench() {
     log kernel trace
     timeout 120 python3 benchmarks/kernel_trace.py "$model" --json "$out/kernel-trace.json" | head -7
     log waiting for the llama.cpp build
-    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    if [ -f "$work/llama-build.done" ]; then
-        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    if llama_cpp_built; then
         local bin=$work/llama-build/bin
         log llama-bench
         timeout 120 "$bin/llama-bench" -m "$model" -p 512 -n 128 -r 5 -ngl 99 -fa off,on -o json > "$out/llama-bench.json"
@@ -224,8 +228,7 @@ serve_bench() {  # each round and concurrency: our server, then llama-server, th
     mkdir -p "$out"
     local clients round pid url=http://127.0.0.1:8090 bin=$work/llama-build/bin
     # The build takes every core: wait for it, so that neither server is measured beside it.
-    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    llama_cpp_built
     for round in $(seq "${2:-1}"); do
       for clients in ${1//,/ }; do
         log mlxllama serve, $clients clients, round $round
@@ -308,9 +311,7 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     timeout 120 python3 $spec --label "mlxllama serve, lookup 3, K 5" --extra '{"lookup": 3, "draft_tokens": 5}' \
         --json "$out/serve-lookup$tag.json"
     kill $pid; wait $pid 2> /dev/null
-    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    [ -f "$work/llama-build.done" ] || return
-    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    llama_cpp_built || return
     local name flags
     for name in plain ngram; do
         flags=$([ $name = ngram ] && echo "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 5")
@@ -337,9 +338,7 @@ models() {  # MoE prefill in expert order; the 2026 models' shapes beside llama-
         python3 -c "import json; r = json.load(open('$out/$name-mlxllama.json')); print(r['mode'], round(r['weight_ratio'], 3),
             [(t['name'], t.get('depth', 0), round(t['tokens_per_second'], 1)) for t in r['tests']])"
     done
-    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    [ -f "$work/llama-build.done" ] || return
-    export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    llama_cpp_built || return
     for file in "$qwen" "$gemma"; do
         [ -f "$file" ] || continue
         name=$(basename "$file" .gguf)
@@ -364,9 +363,7 @@ kv_depth() {  # the quantized KV cache at depth, side by side with llama.cpp's q
         python3 -c "import json; r = json.load(open('$out/kv-$bits-$kernels.json'))
 print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t['tokens_per_second'], 1)) for t in r['tests']])"
     done
-    while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    if [ -f "$work/llama-build.done" ]; then
-        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    if llama_cpp_built; then
         for bits in f16 q8_0 q4_0; do
             log "llama-bench -d 0,8192 -ctk $bits -ctv $bits"
             timeout 120 "$work/llama-build/bin/llama-bench" -m "$deep" -p 512 -n 128 -r 2 -ngl 99 -fa on \
@@ -438,7 +435,7 @@ import os; os.rename('$big.part', '$big')" > "$work/write-8b.log" 2>&1 < /dev/nu
     log "tests/distributed over NCCL, 2 GPUs ($(left) s left)"
     [ "$(left)" -gt 60 ] && MLXLLAMA_LAUNCH_BACKEND=nccl timeout -k 10 $(left) python3 -m pytest -q -p no:cacheprovider -rfE \
         tests/distributed -k "generate_and_chat or batch_split or serve or errors" > "$o/pytest-distributed-nccl.log" 2>&1
-    grep -v "^E  \|^    \|^$" "$o/pytest-distributed-nccl.log" | tail -25
+    [ -f "$o/pytest-distributed-nccl.log" ] && grep -v "^E  \|^    \|^$" "$o/pytest-distributed-nccl.log" | tail -25
     multi_pack check
 }
 
@@ -480,9 +477,7 @@ for f in sorted(glob.glob('$o/bench-$tag-*.json')):
           [round(x['weight_bytes'] / 2**20) for x in r['ranks']] or round(r['weight_bytes'] / 2**20))"
         [ "$tag" = tiny ] || multi_parity "$file" "$tag" "2-tensor 4-tensor"
     fi
-    [ "$which" = ours ] || while [ ! -f "$work/llama-build.done" ] && pgrep -f build_llama_cpp > /dev/null; do sleep 5; done
-    if [ "$which" != ours ] && [ -f "$work/llama-build.done" ]; then
-        export LD_LIBRARY_PATH=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+    if [ "$which" != ours ] && llama_cpp_built; then
         local gpus sm
         for gpus in 0 0,1 0,1,2,3; do
             n=$(( (${#gpus} + 1) / 2 ))

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlxllama  # noqa: E402
 from mlxllama.distributed import world  # noqa: E402
+from mlxllama.errors import MlxLlamaError  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -72,8 +73,13 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
 
+    if args.against and not Path(args.against).is_file():
+        parser.exit(2, f"split_parity.py: error: no reference {args.against} (make it with --save)\n")
     w = world()
-    runtime = mlxllama.load(args.model, parallel=("pipeline" if args.pipeline else "tensor") if w.size > 1 else None)
+    try:
+        runtime = mlxllama.load(args.model, parallel=("pipeline" if args.pipeline else "tensor") if w.size > 1 else None)
+    except MlxLlamaError as e:
+        parser.exit(2, f"split_parity.py: error: {e}\n")
     ids = runtime.tokenize(PROMPT)
     if args.save:
         greedy = runtime.generate(ids, max_tokens=args.n).token_ids

@@ -281,3 +281,16 @@ def test_multi_gpu_table_reads_the_committed_several_gpu_run():
     missing = subprocess.run([sys.executable, "benchmarks/multi_gpu_table.py", "no-such-folder"], cwd=REPO,
                              capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr == "multi_gpu_table.py: no-such-folder is not a folder\n"
+
+
+def test_split_parity_names_a_bad_model_or_a_missing_reference_in_one_line(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(open(find_fixture_model("chat-tiny-Q4_K_M.gguf"), "rb").read(1000))
+    for args, message in (([str(truncated), "--save", str(tmp_path / "ref.npz")], "truncated or corrupt"),
+                          ([str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--against", str(tmp_path / "none.npz")],
+                           "no reference")):
+        result = subprocess.run([sys.executable, "benchmarks/split_parity.py", *args], cwd=REPO,
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "ref.npz").exists()
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("split_parity.py: error: ")
+        assert message in result.stderr
