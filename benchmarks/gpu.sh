@@ -34,6 +34,11 @@
 #   bash benchmarks/gpu.sh kv                     # there: pp512 and tg128 at depth 0 and 8192 with the cache
 #                                                 # unquantized (kernels and plain step), --kv-bits 8 and 4, then
 #                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
+#   bash benchmarks/gpu.sh depth [kernels|timeline|llama] # there: the kernels' tg128 at depth 0, 4096 and 8192, one
+#                                                 # sequence and 16, under other attention settings
+#                                                 # (benchmarks/attention_depth.py); the layer timeline at those
+#                                                 # depths; llama-bench -d and llama-batched-bench at depth 8192,
+#                                                 # on a 16k-context copy (no argument: all three)
 #   bash benchmarks/gpu.sh serve [CLIENTS [ROUNDS]] # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py;
 #                                                 # ROUNDS (default 1) times over, alternating, each run labelled with its round
@@ -374,6 +379,31 @@ print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t
     fi
 }
 
+attention_depth() {  # the kernels' attention at depth (#24), beside llama.cpp's
+    mkdir -p "$out"
+    local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf part=${1:-all}
+    [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
+    if [ "$part" = all ] || [ "$part" = kernels ]; then
+        log attention_depth.py
+        timeout 420 python3 benchmarks/attention_depth.py "$deep" --json "$out/attention-depth.jsonl"
+    fi
+    if [ "$part" = all ] || [ "$part" = timeline ]; then
+        log layer timeline
+        timeout 120 python3 benchmarks/layer_timeline.py "$deep" --positions 100,4096,8191 | tee "$out/layer-timeline.txt"
+    fi
+    if { [ "$part" = all ] || [ "$part" = llama ]; } && llama_cpp_built; then
+        local bin=$work/llama-build/bin
+        log "llama-bench -d 0,4096,8192"
+        timeout 150 "$bin/llama-bench" -m "$deep" -p 0 -n 128 -r 2 -d 0,4096,8192 -ngl 99 -fa on -o json \
+            > "$out/llama-bench-depth.json"
+        python3 -c "import json; print([(r['n_gen'], r['n_depth'], round(r['avg_ts'], 1))
+    for r in json.load(open('$out/llama-bench-depth.json'))])"
+        log "llama-batched-bench, 16 sequences at depth 8192"
+        timeout 150 "$bin/llama-batched-bench" -m "$deep" -c $((16 * (8192 + 128))) -b 2048 -ub 512 -npp 8192 \
+            -ntg 128 -npl 16 -ngl 99 -fa on 2>&1 | grep "^|" | tee "$out/llama-batched-bench-depth.md"
+    fi
+}
+
 versus() {  # the plain MLX step against mlx-lm's loop (#22), in one process; then its launches in a CUDA trace
     mkdir -p "$out"
     local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf
@@ -521,7 +551,8 @@ case ${1:-} in
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
     kv) kv_depth ;;
+    depth) attention_depth "${2:-all}" ;;
     versus) shift; versus "$@" ;;
-    multi) case ${2:-} in check) multi_check ;; bench) multi_bench "${3:-tiny}" "${4:-both}" ;; *) sed -n '2,60p' "$0"; exit 2 ;; esac ;;
-    *) sed -n '2,60p' "$0"; exit 2 ;;
+    multi) case ${2:-} in check) multi_check ;; bench) multi_bench "${3:-tiny}" "${4:-both}" ;; *) sed -n '2,65p' "$0"; exit 2 ;; esac ;;
+    *) sed -n '2,65p' "$0"; exit 2 ;;
 esac

@@ -4,13 +4,6 @@
 // sums): a warp multiplies 16 weight rows by the staged inputs of 8 or 16 sequences, so each weight
 // is loaded and unpacked once for all of them.
 
-// MLX writes the kernel's __global__ function and gives it no launch bounds, so the compiler may use
-// more than the 128 registers a thread that 512-thread blocks allow (which then fail to launch):
-// every __global__ function after this header gets them. (Spelled as the attribute the qualifier
-// stands for: NVRTC takes no macro around the qualifier.)
-#undef __global__
-#define __global__ __attribute__((global)) __attribute__((launch_bounds(512)))
-
 // Sequences of one MMA's N dimension; a launch takes NT * 8 of them.
 constexpr int SEQ_TILE = 8;
 
@@ -299,13 +292,13 @@ __device__ void residual_tiles(const uint32_t* w, const S* scales, const S* bias
 // block's warps split a tile's columns (tile_dot), then sum their parts in shared memory:
 //   1. RMSNorm, Q/K/V, RoPE; q, and the new key and value into the cache buffers in place. A Q/K/V
 //      tile is 8 RoPE pairs: tile rows g and g + 8 are a pair's two rows.
-//   2. attention, a warp for each sequence, head and run of slots (attention_items);
+//   2. attention, a warp for each sequence, head group and run of slots (attention_items);
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up: a block takes a tile of both -> act = SiLU(gate) * up (float16);
 //   5. down projection + residual -> y.
 // keys/values: [seqs, KV_HEADS, capacity, HEAD_DIM]. scratch: q [NT * 8][HEADS * HEAD_DIM],
 // partials [NT * 8][HEADS][MAX_RUNS][HEAD_DIM + 2], attn [NT * 8][HEADS * HEAD_DIM], h [NT * 8][HIDDEN],
-// act (float16) [NT * 8][FFN]. sync: as layer_kernel's, with a count for each sequence and head.
+// act (float16) [NT * 8][FFN]. sync: as layer_kernel's, with a count for each sequence and head group.
 template <int NT, int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS,
           int HEADS, int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
@@ -370,6 +363,7 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(seqs, positions, q, partials, attn, keys, values, capacity,
                                                        runs_done, reinterpret_cast<float*>(xs));
   grid_barrier(arrivals);
+  reset_runs_done<HEADS, KV_HEADS>(seqs, runs_done);
 
   // 3. Output projection + residual.
   stage_batch<false, Q_DIM, NT>(attn, seqs, attn_norm, 0.0f, xs);

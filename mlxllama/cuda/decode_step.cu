@@ -399,6 +399,22 @@ __device__ inline float warp_max(float v) {
   return v;
 }
 
+// Query heads one warp of attention takes at once: heads that share a KV head (grouped-query
+// attention) read the same keys and values, so a warp scores each cached slot for all of them and
+// the cache is read once for the group, not once a head. As many as the largest power of two
+// dividing the heads a KV head serves allows, up to MAX_QUERY_HEADS: a warp keeps each head's
+// accumulators, and 8 heads spilled registers and decoded slower than 4 (docs/benchmarks.md,
+// "Attention at depth").
+constexpr int MAX_QUERY_HEADS = 4;
+
+__host__ __device__ constexpr int query_heads(int per_kv_head) {
+  int n = 1;
+  while (n < MAX_QUERY_HEADS && per_kv_head % (2 * n) == 0) {
+    n *= 2;
+  }
+  return n;
+}
+
 // Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
 template <int BYTES> struct Raw;
 template <> struct Raw<2> { using type = unsigned short; };
@@ -406,21 +422,29 @@ template <> struct Raw<4> { using type = unsigned int; };
 template <> struct Raw<8> { using type = uint2; };
 template <> struct Raw<16> { using type = uint4; };
 
-// One warp's attention of a query (q: HEAD_DIM scaled values in shared memory) over the cache
-// slots [begin, end) of its KV head: an online softmax over chunks of 32 slots, each lane scoring
-// one slot of a chunk. out = (weighted values [HEAD_DIM], max score, sum of exponentials).
+// One warp's attention of QH queries (q: QH * HEAD_DIM scaled values in shared memory) over the
+// cache slots [begin, end) of their KV head: an online softmax over chunks of 32 slots, each lane
+// scoring one slot of a chunk for every query. Query h's result goes to out + h * out_stride: its
+// normalized output [HEAD_DIM] where `whole` (the run is all the slots), else its weighted values
+// [HEAD_DIM], max score and sum of exponentials, for combine_runs.
 // Each lane loads its dims of every slot of a chunk (or of half of one) before it adds the first:
 // one wait for L2 a chunk, not one a slot.
-template <int HEAD_DIM, typename C>
-__device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out) {
+template <int HEAD_DIM, int QH, typename C>
+__device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out,
+                              int out_stride, bool whole) {
   static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
   constexpr int per_lane = HEAD_DIM / 32;
   using Dims = typename Raw<per_lane * sizeof(C)>::type;
   const int lane = threadIdx.x % 32;
-  float running_max = negative_infinity(), sum_exp = 0.0f, acc[per_lane];
+  float running_max[QH], sum_exp[QH], acc[QH][per_lane];
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    acc[j] = 0.0f;
+  for (int h = 0; h < QH; ++h) {
+    running_max[h] = negative_infinity();
+    sum_exp[h] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      acc[h][j] = 0.0f;
+    }
   }
   // Slots whose dims a lane loads at once: all 32 of a chunk where registers allow.
   constexpr int at_once = per_lane <= 2 ? 32 : 16;
@@ -436,27 +460,39 @@ __device__ void attention_run(const float* q, const C* k_head, const C* v_head, 
     for (int t = 0; t < at_once; ++t) {
       dims[t] = load_dims(t);
     }
-    float score = negative_infinity();
+    float score[QH];
+#pragma unroll
+    for (int h = 0; h < QH; ++h) {
+      score[h] = slot < end ? 0.0f : negative_infinity();
+    }
     if (slot < end) {
       const uint4* k = reinterpret_cast<const uint4*>(k_head + static_cast<size_t>(slot) * HEAD_DIM);
-      score = 0.0f;
 #pragma unroll
       for (int i = 0; i < HEAD_DIM / 8; ++i) {
         const uint4 packed = __ldcg(k + i);
         const C* eight = reinterpret_cast<const C*>(&packed);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          score += q[8 * i + j] * static_cast<float>(eight[j]);
+          const float key = static_cast<float>(eight[j]);
+#pragma unroll
+          for (int h = 0; h < QH; ++h) {
+            score[h] += q[h * HEAD_DIM + 8 * i + j] * key;
+          }
         }
       }
     }
-    const float new_max = fmaxf(running_max, warp_max(score));
-    const float correction = expf(running_max - new_max);
-    const float p = slot < end ? expf(score - new_max) : 0.0f;
-    sum_exp = sum_exp * correction + warp_sum(p);
+    float p[QH];
 #pragma unroll
-    for (int j = 0; j < per_lane; ++j) {
-      acc[j] *= correction;
+    for (int h = 0; h < QH; ++h) {
+      const float new_max = fmaxf(running_max[h], warp_max(score[h]));
+      const float correction = expf(running_max[h] - new_max);
+      p[h] = slot < end ? expf(score[h] - new_max) : 0.0f;
+      sum_exp[h] = sum_exp[h] * correction + warp_sum(p[h]);
+#pragma unroll
+      for (int j = 0; j < per_lane; ++j) {
+        acc[h][j] *= correction;
+      }
+      running_max[h] = new_max;
     }
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
@@ -466,114 +502,183 @@ __device__ void attention_run(const float* q, const C* k_head, const C* v_head, 
           dims[u] = load_dims(u);
         }
       }
-      const float p_t = __shfl_sync(0xffffffff, p, t);
       const C* v = reinterpret_cast<const C*>(&dims[t]);
 #pragma unroll
-      for (int j = 0; j < per_lane; ++j) {
-        acc[j] += p_t * static_cast<float>(v[j]);
+      for (int h = 0; h < QH; ++h) {
+        const float p_t = __shfl_sync(0xffffffff, p[h], t);
+#pragma unroll
+        for (int j = 0; j < per_lane; ++j) {
+          acc[h][j] += p_t * static_cast<float>(v[j]);
+        }
       }
     }
-    running_max = new_max;
   }
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    out[lane * per_lane + j] = acc[j];
-  }
-  if (lane == 0) {
-    out[HEAD_DIM] = running_max;
-    out[HEAD_DIM + 1] = sum_exp;
+  for (int h = 0; h < QH; ++h) {
+    float* head_out = out + h * out_stride;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      head_out[lane * per_lane + j] = whole ? acc[h][j] / sum_exp[h] : acc[h][j];
+    }
+    if (!whole && lane == 0) {
+      head_out[HEAD_DIM] = running_max[h];
+      head_out[HEAD_DIM + 1] = sum_exp[h];
+    }
   }
 }
 
+// Sets of runs combine_runs splits a warp's lanes into: as many as keep a lane's dims at 8 or fewer.
+__host__ __device__ constexpr int combine_sets(int head_dim) {
+  int sets = 1;
+  while (sets < 32 && head_dim * sets * 2 / 32 <= 8) {
+    sets *= 2;
+  }
+  return sets;
+}
+
 // One warp combines a head's runs (partials [splits][HEAD_DIM + 2], none empty) into its output.
+// The lanes are split into sets that each take every sets-th run, a lane a few dims of them, so
+// that a lane's loads of several runs are in flight together; the sets' sums are added by shuffles.
 template <int HEAD_DIM>
 __device__ void combine_runs(const float* partials, int splits, float* out) {
-  constexpr int stride = HEAD_DIM + 2, per_lane = HEAD_DIM / 32;
-  const int lane = threadIdx.x % 32;
-  float top = negative_infinity();
+  constexpr int stride = HEAD_DIM + 2, sets = combine_sets(HEAD_DIM), dims = HEAD_DIM * sets / 32;
+  static_assert(dims % 2 == 0, "dims in pairs (float2 loads)");
+  const int lane = threadIdx.x % 32, set = lane / (32 / sets), first = lane % (32 / sets) * dims;
+  // The largest score and the sum of exponentials scaled to it, over every run, in one pass.
+  float top = negative_infinity(), den = 0.0f;
   for (int s = lane; s < splits; s += 32) {
-    top = fmaxf(top, __ldcg(partials + s * stride + HEAD_DIM));
+    const float m = __ldcg(partials + s * stride + HEAD_DIM), l = __ldcg(partials + s * stride + HEAD_DIM + 1);
+    const float new_top = fmaxf(top, m);
+    den = den * expf(top - new_top) + l * expf(m - new_top);
+    top = new_top;
   }
-  top = warp_max(top);
-  float den = 0.0f, num[per_lane];
-  for (int s = lane; s < splits; s += 32) {
-    den += __ldcg(partials + s * stride + HEAD_DIM + 1) * expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
-  }
-  den = warp_sum(den);
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_top = __shfl_xor_sync(0xffffffff, top, offset);
+    const float other_den = __shfl_xor_sync(0xffffffff, den, offset);
+    const float new_top = fmaxf(top, other_top);
+    // A lane that saw no run holds (-inf, 0): its term is 0, never inf - inf.
+    den = (den > 0.0f ? den * expf(top - new_top) : 0.0f) + (other_den > 0.0f ? other_den * expf(other_top - new_top) : 0.0f);
+    top = new_top;
+  }
+  float num[dims];
+#pragma unroll
+  for (int j = 0; j < dims; ++j) {
     num[j] = 0.0f;
   }
 #pragma unroll 8
-  for (int s = 0; s < splits; ++s) {  // unrolled, so that eight runs' loads are in flight together
-    const float weight = expf(__ldcg(partials + s * stride + HEAD_DIM) - top);
+  for (int s = set; s < splits; s += sets) {
+    const float* run = partials + s * stride;
+    const float weight = expf(__ldcg(run + HEAD_DIM) - top);
 #pragma unroll
-    for (int j = 0; j < per_lane; ++j) {
-      num[j] += weight * __ldcg(partials + s * stride + lane * per_lane + j);
+    for (int j = 0; j < dims; j += 2) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(run + first + j));
+      num[j] += weight * v.x;
+      num[j + 1] += weight * v.y;
     }
   }
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    out[lane * per_lane + j] = num[j] / den;
+  for (int j = 0; j < dims; ++j) {
+#pragma unroll
+    for (int offset = 16; offset >= 32 / sets; offset >>= 1) {
+      num[j] += __shfl_xor_sync(0xffffffff, num[j], offset);
+    }
+  }
+  if (set == 0) {
+#pragma unroll
+    for (int j = 0; j < dims; ++j) {
+      out[first + j] = num[j] / den;
+    }
   }
 }
 
 // Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
 // positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its cache in
-// keys/values [seqs][KV_HEADS][capacity][HEAD_DIM] (the new slot written). Each head's slots are
-// cut into runs of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp
-// takes a (sequence, head, run) item, and the last warp done with a head combines its runs into
-// attn [seqs][HEADS * HEAD_DIM]. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a
-// count for each sequence and head, all zero before and after.
+// keys/values [seqs][KV_HEADS][capacity][HEAD_DIM] (the new slot written). A head group is the
+// QH query heads a warp takes (query_heads). Each group's slots are cut into runs of whole chunks
+// of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a (sequence, group, run)
+// item. A group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM] at once; otherwise
+// the last min(QH, runs) warps done with a group's runs each wait for the others and combine some
+// of its heads. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a count for each
+// sequence and group, zero before, made zero again by reset_runs_done after the next grid barrier.
+// Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own (all
+// resident) wherever a group has more than one run.
 template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename C>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const C* keys, const C* values, int capacity, unsigned int* runs_done, float* smem) {
+  constexpr int QH = query_heads(HEADS / KV_HEADS), GROUPS = HEADS / QH, stride = MAX_RUNS * (HEAD_DIM + 2);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
-  float* q_scaled = smem + threadIdx.x / 32 * HEAD_DIM;
+  float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  for (int item = warp; item < seqs * HEADS * MAX_RUNS; item += warps) {
-    const int r = item / (seqs * HEADS), seq = item % (seqs * HEADS) / HEADS, head = item % HEADS;
+  for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
+    const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
     const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
     const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
     if (r >= runs) {
       continue;
     }
-    const int kv_head = head / (HEADS / KV_HEADS), seq_head = seq * HEADS + head;
-    for (int d = lane; d < HEAD_DIM; d += 32) {
+    const int head = group * QH, kv_head = head / (HEADS / KV_HEADS), seq_head = seq * HEADS + head;
+#pragma unroll
+    for (int d = lane; d < QH * HEAD_DIM; d += 32) {
       q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
     }
     __syncwarp();
     const size_t kv_offset = (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity * HEAD_DIM;
-    float* head_partials = partials + static_cast<size_t>(seq_head) * MAX_RUNS * (HEAD_DIM + 2);
-    attention_run<HEAD_DIM>(q_scaled, keys + kv_offset, values + kv_offset, r * run, min(r * run + run, slots),
-                            head_partials + r * (HEAD_DIM + 2));
+    if (runs == 1) {
+      attention_run<HEAD_DIM, QH>(q_scaled, keys + kv_offset, values + kv_offset, 0, slots,
+                                  attn + seq_head * HEAD_DIM, HEAD_DIM, true);
+      continue;
+    }
+    float* group_partials = partials + static_cast<size_t>(seq_head) * stride;
+    attention_run<HEAD_DIM, QH>(q_scaled, keys + kv_offset, values + kv_offset, r * run,
+                                min(r * run + run, slots), group_partials + r * (HEAD_DIM + 2), stride, false);
     __threadfence();
     __syncwarp();
-    unsigned int done = 0;
+    unsigned int* done = runs_done + seq * GROUPS + group;
+    unsigned int arrived = 0;
     if (lane == 0) {
-      done = atomicAdd(runs_done + seq_head, 1u) + 1;
+      arrived = atomicAdd(done, 1u) + 1;
     }
-    if (__shfl_sync(0xffffffff, done, 0) == runs) {
-      __threadfence();
-      combine_runs<HEAD_DIM>(head_partials, runs, attn + seq_head * HEAD_DIM);
-      if (lane == 0) {
-        runs_done[seq_head] = 0;
-      }
+    const int rank = runs - static_cast<int>(__shfl_sync(0xffffffff, arrived, 0)), combiners = min(QH, runs);
+    if (rank >= combiners) {
+      continue;
+    }
+    if (lane == 0) {
+      unsigned int seen;
+      do {
+        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(done) : "memory");
+      } while (seen < static_cast<unsigned int>(runs));
+    }
+    __syncwarp();
+    __threadfence();
+    for (int h = rank; h < QH; h += combiners) {
+      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);
+    }
+  }
+}
+
+// After the grid barrier that follows attention_items: its counts made zero for the next launch.
+template <int HEADS, int KV_HEADS>
+__device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
+  constexpr int GROUPS = HEADS / query_heads(HEADS / KV_HEADS);
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < seqs * GROUPS; i += blockDim.x) {
+      runs_done[i] = 0;
     }
   }
 }
 
 // One layer of one sequence's decode step, y = the layer's output for input x (both float32):
 //   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pair);
-//   2. attention, a warp for each head and run of slots; the last warp done with a head combines its runs;
+//   2. attention, a warp for each head group and run of slots, combined by the last warps done (attention_items);
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
 // `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn,
 // h, gate and up (float32 each). It and `sync` are inputs that the kernel writes: step.py
 // allocates them once for all layers, since every output costs MLX an allocation a launch.
-// `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head, its
-// runs done so far (made zero again by the warp that combines them); all zero when first used.
+// `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head group,
+// its runs done so far (made zero again after the barrier that follows attention); all zero when first used.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
@@ -609,6 +714,7 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, keys, values, capacity,
                                                        runs_done, smem);
   grid_barrier(arrivals);
+  reset_runs_done<HEADS, KV_HEADS>(1, runs_done);
 
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
   for (int row = warp; row < HIDDEN; row += warps) {
@@ -654,3 +760,11 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
     }
   }
 }
+
+// MLX writes the kernel's __global__ function and gives it no launch bounds, so the compiler may use
+// more than the 128 registers a thread that 512-thread blocks allow, and the launch then fails (the
+// layer kernels' attention, with its accumulators for several query heads, would take more). Every
+// __global__ function after this header gets them. (Spelled as the attribute the qualifier stands
+// for: NVRTC takes no macro around the qualifier.)
+#undef __global__
+#define __global__ __attribute__((global)) __attribute__((launch_bounds(512)))

@@ -22,8 +22,10 @@ def _read(name: str) -> str:
 
 
 def _stripped(text: str) -> str:
-    """A kernel file without comments and blank lines: MLX hashes the source at every launch."""
-    return "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("//"))
+    """A kernel file without comments and blank lines: MLX hashes the source at every launch. It
+    ends with a line break, or its last line (decode_step.cu's #define) would run on into the code
+    MLX writes after it."""
+    return "".join(line + "\n" for line in text.splitlines() if line.strip() and not line.lstrip().startswith("//"))
 
 
 def _constant(text: str, name: str) -> int:
@@ -35,16 +37,20 @@ def _constant(text: str, name: str) -> int:
 
 _STEP_SOURCE, _BATCH_SOURCE = _read("decode_step.cu"), _read("decode_batch.cu")
 HEADER = _stripped(_STEP_SOURCE)
-BATCH_HEADER = HEADER + "\n" + _stripped(_BATCH_SOURCE)
+BATCH_HEADER = HEADER + _stripped(_BATCH_SOURCE)
 
 GROUP = _constant(_STEP_SOURCE, "GROUP")  # values that share a scale and bias
 GROUP_STRIDE = _constant(_STEP_SOURCE, "GROUP_STRIDE")  # shared-memory floats a staged group takes
 HEAD_THREADS = _constant(_STEP_SOURCE, "THREADS")  # a block of head_kernel
 LAYER_THREADS = _constant(_STEP_SOURCE, "LAYER_THREADS")  # a block of layer_kernel and batch_layer_kernel
 SEQ_TILE = _constant(_BATCH_SOURCE, "SEQ_TILE")  # sequences of one tensor-core product
+MAX_QUERY_HEADS = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS")  # query heads an attention warp takes at most
 # Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
 MAX_BATCH = 2 * SEQ_TILE
 FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
+# Runs a head group's attention is cut into at most: shorter runs, but more of them to combine
+# (128 measured faster than 64 at depth 8,192: docs/benchmarks.md, "Attention at depth").
+RUNS_LIMIT = 128
 
 # Values MLX passes with the inputs: the cache's capacity in slots, and the number of sequences.
 CAPACITY, ROWS = "keys_shape[2]", "x_shape[0]"
@@ -84,10 +90,23 @@ def staged_floats(k: int) -> int:
     return k // GROUP * GROUP_STRIDE + k // GROUP + GROUP + 1
 
 
+def query_heads(c: ModelConfig) -> int:
+    """decode_step.cu's query_heads: the query heads of one KV head that an attention warp takes at once."""
+    per_kv_head, n = c.n_heads // c.n_kv_heads, 1
+    while n < MAX_QUERY_HEADS and per_kv_head % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def attention_queries_floats(c: ModelConfig) -> int:
+    """Shared memory for the scaled queries of every warp's head group."""
+    return LAYER_THREADS // 32 * query_heads(c) * c.head_dim
+
+
 def layer_shared_floats(c: ModelConfig) -> int:
     """layer_kernel's shared memory: the largest staged input, or the attention's queries."""
     return max(staged_floats(c.hidden_size), staged_floats(c.ffn_size), staged_floats(c.n_heads * c.head_dim),
-               LAYER_THREADS // 32 * c.head_dim)
+               attention_queries_floats(c))
 
 
 def batch_stride(k: int) -> int:
@@ -101,13 +120,14 @@ def batch_shared_floats(c: ModelConfig, tiles: int) -> int:
     seqs = tiles * SEQ_TILE
     staged = max(seqs * batch_stride(k) // 2 + seqs * k // GROUP
                  for k in (c.hidden_size, c.n_heads * c.head_dim, c.ffn_size))
-    return 2 * LAYER_THREADS * tiles * 4 + max(staged, LAYER_THREADS // 32 * c.head_dim)
+    return 2 * LAYER_THREADS * tiles * 4 + max(staged, attention_queries_floats(c))
 
 
-def max_runs(blocks: int, items: int) -> int:
-    """Runs of slots a head's attention may be cut into, so that `items` (sequence, head) pairs
-    give each warp of the grid at least one run."""
-    return max(1, blocks * (LAYER_THREADS // 32) // items)
+def max_runs(blocks: int, c: ModelConfig, seqs: int = 1) -> int:
+    """Runs of slots a head group's attention may be cut into (up to RUNS_LIMIT): few enough that
+    every (sequence, head group, run) item of `seqs` sequences has a warp of its own, as
+    attention_items needs where a group has several runs."""
+    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * (c.n_heads // query_heads(c)))))
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:

@@ -77,10 +77,10 @@ class KernelStep:
     def __init__(self, model: Transformer, fallback: DecodeStep, blocks: int, shared_bytes: int = 0):
         c = self.config = model.config
         self.fallback = fallback
-        # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head's attention
-        # may be split into this many runs of slots.
+        # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head group's
+        # attention may be split into this many runs of slots.
         self.blocks = blocks
-        self.max_runs = kernels.max_runs(blocks, c.n_heads)
+        self.max_runs = kernels.max_runs(blocks, c)
         self.sync = _on_device(mx.zeros((32 + MAX_BATCH * c.n_heads,), mx.uint32))
         # Not the model itself, which holds this step: a cycle would keep both alive until the cycle collector ran.
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
@@ -222,7 +222,7 @@ class KernelStep:
 
     def _batch_max_runs(self, tiles: int) -> int:
         """batch_layer_kernel's MAX_RUNS for `tiles` * 8 sequences, which its scratch input is sized by."""
-        return kernels.max_runs(self.blocks, tiles * SEQ_TILE * self.config.n_heads)
+        return kernels.max_runs(self.blocks, self.config, tiles * SEQ_TILE)
 
     def _head(self, x: mx.array) -> mx.array:
         """Logits (float32) of the last layer's output x."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mlxllama
+from mlxllama import synthetic
 from mlxllama.batching import Request, batch_generate
 from mlxllama.cuda import KernelStep, kernels
 from mlxllama.generate import prefill
@@ -51,16 +52,32 @@ def test_kernel_step_matches_the_plain_step(name):
 
 
 @on_cuda
-@pytest.mark.parametrize("blocks", [None, 3])
-def test_kernel_step_over_many_runs_of_slots(blocks):
-    """300 cached slots: each head's attention split into runs of one chunk (32 slots) on the whole
-    GPU, and on 3 blocks into fewer runs of several chunks each."""
+@pytest.mark.parametrize("blocks,length", [(None, 70), (None, 300), (3, 300)])
+def test_kernel_step_over_many_runs_of_slots(blocks, length):
+    """chat-tiny's 8 heads in 2 groups of 4 (kernels.query_heads). 70 cached slots on the whole GPU:
+    3 runs of one chunk (32 slots), fewer than a group's heads, so one of the warps that combine
+    them takes two; 300: 10 runs, the last 4 warps done each combining a head; on 3 blocks, 10
+    runs too, from a MAX_RUNS of 24."""
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     step = runtime.model.decode_step
     if blocks is not None:
         step = KernelStep(runtime.model, step.fallback, blocks)
-    ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, 300).tolist()
+    assert kernels.query_heads(runtime.config) == 4
+    ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, length).tolist()
     assert_steps_match(runtime.model, step, ids)
+
+
+@on_cuda
+def test_kernel_step_with_two_head_groups_a_kv_head(tmp_path):
+    """TinyLlama's layout (32 heads over 4 KV heads: 8 a KV head, taken 4 at a time, so two warps
+    read each KV head's slots of a run) at 2,000 cached slots, through the kernels and the plain
+    step (random weights: a head group attending to another KV head's values would give other outputs)."""
+    path = tmp_path / "tinyllama.gguf"
+    synthetic.write(path, context=4096)
+    runtime = mlxllama.load(path)
+    assert kernels.query_heads(runtime.config) == 4
+    ids = np.random.default_rng(1).integers(3, runtime.config.vocab_size, 2000).tolist()
+    assert_steps_match(runtime.model, runtime.model.decode_step, ids)
 
 
 def assert_steps_match(model, kernel_step, ids: list[int]):
@@ -211,6 +228,31 @@ def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_mem
     # 16 rows of TinyLlama-1.1B's shapes: the down projection's 5632 inputs each, in float16 (~220 KB in all).
     tinyllama = replace(runtime.config, hidden_size=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_size=5632)
     assert 200_000 < 4 * kernels.batch_shared_floats(tinyllama, 2) <= 232448
+
+
+@pytest.mark.parametrize("heads,kv_heads,expected", [(32, 4, 4), (32, 8, 4), (32, 16, 2), (32, 32, 1), (14, 2, 1),
+                                                    (12, 2, 2), (8, 2, 4)])
+def test_attention_warps_take_the_query_heads_of_one_kv_head(heads, kv_heads, expected):
+    """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    config = replace(runtime.config, n_heads=heads, n_kv_heads=kv_heads)
+    assert kernels.MAX_QUERY_HEADS == 4
+    assert kernels.query_heads(config) == expected
+
+
+@pytest.mark.parametrize("blocks", [3, 16, 132])
+@pytest.mark.parametrize("seqs", [1, 8, 16])
+def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(blocks, seqs):
+    """attention_items' combining warps wait for the group's other runs: with more than one run a
+    group, every (sequence, group, run) item must have a warp of its own, or a warp could wait for
+    an item it would take itself later."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    for heads, kv_heads in [(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)]:
+        config = replace(runtime.config, n_heads=heads, n_kv_heads=kv_heads)
+        runs = kernels.max_runs(blocks, config, seqs)
+        assert 1 <= runs <= kernels.RUNS_LIMIT
+        if runs > 1:
+            assert seqs * heads // kernels.query_heads(config) * runs <= blocks * kernels.LAYER_THREADS // 32
 
 
 def test_kernel_step_is_off_without_cuda():

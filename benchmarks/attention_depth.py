@@ -1,0 +1,81 @@
+"""The CUDA kernels' decode speed at depth under other attention settings (CUDA only), side by side in one process.
+
+    python benchmarks/attention_depth.py MODEL.gguf [--depths 0,4096,8192] [--batches 1,16]
+        [--query-heads 8,4] [--runs-limits 64,128] [-n 128] [-r 2] [--json OUT.jsonl]
+
+Each variant is one setting of the two numbers that shape attention_items (mlxllama/cuda): the
+query heads a warp takes at once (decode_step.cu's MAX_QUERY_HEADS, patched into the kernels'
+source) and the runs a head group's slots may be cut into (kernels.RUNS_LIMIT); every pair of the
+values given, the shipped setting first. For each, `mlxllama bench`'s tg (bench.run: -p 0, its -n, -r, -b and -d) with the kernels: one
+line a variant and test, and the rows as JSON lines with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import mlx.core as mx
+
+from mlxllama import bench
+from mlxllama.cuda import kernels
+from mlxllama.errors import MlxLlamaError
+
+SHIPPED = {"query_heads": kernels.MAX_QUERY_HEADS, "runs_limit": kernels.RUNS_LIMIT}
+
+
+def use(query_heads: int, runs_limit: int) -> None:
+    """The kernels built from now on take `query_heads` and `runs_limit`."""
+    def patched(source: str) -> str:
+        return re.sub(r"constexpr int MAX_QUERY_HEADS = \d+;", f"constexpr int MAX_QUERY_HEADS = {query_heads};",
+                      source)
+    kernels.HEADER, kernels.BATCH_HEADER = patched(kernels.HEADER), patched(kernels.BATCH_HEADER)
+    kernels.MAX_QUERY_HEADS, kernels.RUNS_LIMIT = query_heads, runs_limit
+    kernels.kernel.cache_clear()
+
+
+def variants(query_heads: list[int], runs_limits: list[int]) -> list[dict[str, int]]:
+    pairs = [dict(query_heads=q, runs_limit=r) for q in query_heads for r in runs_limits]
+    return [SHIPPED] + [pair for pair in pairs if pair != SHIPPED]
+
+
+def numbers(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--depths", type=numbers, default=[0, 4096, 8192])
+    parser.add_argument("--batches", type=numbers, default=[1, 16])
+    parser.add_argument("--query-heads", type=numbers, default=[8, 4])
+    parser.add_argument("--runs-limits", type=numbers, default=[64, 128])
+    parser.add_argument("-n", "--n-gen", type=int, default=128)
+    parser.add_argument("-r", "--repetitions", type=int, default=2)
+    parser.add_argument("--json", help="write each variant's tests as JSON lines here")
+    args = parser.parse_args()
+    if not mx.cuda.is_available():
+        raise SystemExit("attention_depth.py: needs MLX's CUDA backend")
+    rows = []
+    for variant in variants(args.query_heads, args.runs_limits):
+        use(**variant)
+        try:
+            report = bench.run(args.model, n_prompt=0, n_gen=args.n_gen, batches=tuple(args.batches),
+                               repetitions=args.repetitions, depths=tuple(args.depths))
+        except MlxLlamaError as e:
+            raise SystemExit(f"attention_depth.py: {e}")
+        if report.mode != "native+kernels":
+            raise SystemExit(f"attention_depth.py: {args.model} does not decode through the CUDA kernels")
+        for test in report.tests:
+            row = dict(variant, batch=test.batch, depth=test.depth, tokens_per_second=round(test.median, 1),
+                       stdev=round(test.stdev, 1))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+if __name__ == "__main__":
+    main()
