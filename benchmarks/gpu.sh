@@ -382,16 +382,18 @@ print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t
 attention_depth() {  # the kernels' attention at depth (#24), beside llama.cpp's
     mkdir -p "$out"
     local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf part=${1:-all}
+    case $part in all|kernels|timeline|llama) ;; *) echo "gpu.sh depth: unknown part '$part' (kernels, timeline, llama)" >&2; exit 2 ;; esac
+    wants() { [ "$part" = all ] || [ "$part" = "$1" ]; }
     [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
-    if [ "$part" = all ] || [ "$part" = kernels ]; then
+    if wants kernels; then
         log attention_depth.py
         timeout 420 python3 benchmarks/attention_depth.py "$deep" --json "$out/attention-depth.jsonl"
     fi
-    if [ "$part" = all ] || [ "$part" = timeline ]; then
+    if wants timeline; then
         log layer timeline
         timeout 120 python3 benchmarks/layer_timeline.py "$deep" --positions 100,4096,8191 | tee "$out/layer-timeline.txt"
     fi
-    if { [ "$part" = all ] || [ "$part" = llama ]; } && llama_cpp_built; then
+    if wants llama && llama_cpp_built; then
         local bin=$work/llama-build/bin
         log "llama-bench -d 0,4096,8192"
         timeout 150 "$bin/llama-bench" -m "$deep" -p 0 -n 128 -r 2 -d 0,4096,8192 -ngl 99 -fa on -o json \

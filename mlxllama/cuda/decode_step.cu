@@ -415,6 +415,12 @@ __host__ __device__ constexpr int query_heads(int per_kv_head) {
   return n;
 }
 
+// The groups of query_heads heads that a layer's attention is cut into.
+template <int HEADS, int KV_HEADS>
+__device__ constexpr int head_groups() {
+  return HEADS / query_heads(HEADS / KV_HEADS);
+}
+
 // Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
 template <int BYTES> struct Raw;
 template <> struct Raw<2> { using type = unsigned short; };
@@ -606,7 +612,8 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename C>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const C* keys, const C* values, int capacity, unsigned int* runs_done, float* smem) {
-  constexpr int QH = query_heads(HEADS / KV_HEADS), GROUPS = HEADS / QH, stride = MAX_RUNS * (HEAD_DIM + 2);
+  constexpr int QH = query_heads(HEADS / KV_HEADS), GROUPS = head_groups<HEADS, KV_HEADS>();
+  constexpr int stride = MAX_RUNS * (HEAD_DIM + 2);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
   float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
@@ -660,9 +667,8 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
 // After the grid barrier that follows attention_items: its counts made zero for the next launch.
 template <int HEADS, int KV_HEADS>
 __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
-  constexpr int GROUPS = HEADS / query_heads(HEADS / KV_HEADS);
   if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < seqs * GROUPS; i += blockDim.x) {
+    for (int i = threadIdx.x; i < seqs * head_groups<HEADS, KV_HEADS>(); i += blockDim.x) {
       runs_done[i] = 0;
     }
   }

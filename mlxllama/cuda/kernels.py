@@ -98,6 +98,11 @@ def query_heads(c: ModelConfig) -> int:
     return n
 
 
+def head_groups(c: ModelConfig) -> int:
+    """decode_step.cu's head_groups: the groups of query_heads heads that a layer's attention is cut into."""
+    return c.n_heads // query_heads(c)
+
+
 def attention_queries_floats(c: ModelConfig) -> int:
     """Shared memory for the scaled queries of every warp's head group."""
     return LAYER_THREADS // 32 * query_heads(c) * c.head_dim
@@ -127,7 +132,7 @@ def max_runs(blocks: int, c: ModelConfig, seqs: int = 1) -> int:
     """Runs of slots a head group's attention may be cut into (up to RUNS_LIMIT): few enough that
     every (sequence, head group, run) item of `seqs` sequences has a warp of its own, as
     attention_items needs where a group has several runs."""
-    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * (c.n_heads // query_heads(c)))))
+    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c))))
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:

@@ -230,25 +230,29 @@ def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_mem
     assert 200_000 < 4 * kernels.batch_shared_floats(tinyllama, 2) <= 232448
 
 
+@pytest.fixture(scope="module")
+def chat_tiny_config():
+    """chat-tiny's config, loaded once for the tests that only vary its head counts."""
+    return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf")).config
+
+
 @pytest.mark.parametrize("heads,kv_heads,expected", [(32, 4, 4), (32, 8, 4), (32, 16, 2), (32, 32, 1), (14, 2, 1),
                                                     (12, 2, 2), (8, 2, 4)])
-def test_attention_warps_take_the_query_heads_of_one_kv_head(heads, kv_heads, expected):
+def test_attention_warps_take_the_query_heads_of_one_kv_head(chat_tiny_config, heads, kv_heads, expected):
     """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS."""
-    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
-    config = replace(runtime.config, n_heads=heads, n_kv_heads=kv_heads)
+    config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
     assert kernels.MAX_QUERY_HEADS == 4
     assert kernels.query_heads(config) == expected
 
 
 @pytest.mark.parametrize("blocks", [3, 16, 132])
 @pytest.mark.parametrize("seqs", [1, 8, 16])
-def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(blocks, seqs):
+def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat_tiny_config, blocks, seqs):
     """attention_items' combining warps wait for the group's other runs: with more than one run a
     group, every (sequence, group, run) item must have a warp of its own, or a warp could wait for
     an item it would take itself later."""
-    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     for heads, kv_heads in [(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)]:
-        config = replace(runtime.config, n_heads=heads, n_kv_heads=kv_heads)
+        config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
         runs = kernels.max_runs(blocks, config, seqs)
         assert 1 <= runs <= kernels.RUNS_LIMIT
         if runs > 1:
