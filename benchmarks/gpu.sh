@@ -31,9 +31,10 @@
 #   bash benchmarks/gpu.sh models                 # there: MoE prefill by expert order (benchmarks/moe_prefill.py), then
 #                                                 # pp512/tg128 at depth 0 and 4096 of the Qwen3-0.6B-shape file and of Gemma 3
 #                                                 # 270M (when stashed), each beside llama-bench
-#   bash benchmarks/gpu.sh kv                     # there: pp512 and tg128 at depth 0 and 8192 with the cache
-#                                                 # unquantized (kernels and plain step), --kv-bits 8 and 4, then
-#                                                 # llama-bench -d with -ctk/-ctv f16, q8_0 and q4_0, on a 16k-context copy
+#   bash benchmarks/gpu.sh kv [ours|llama]        # there: pp512 and tg128 (1 and 16 sequences) at depth 0, 4096 and
+#                                                 # 8192 with the cache unquantized, --kv-bits 8, 4 and 4 with 8-bit
+#                                                 # keys (KV_SECONDS a run), then llama-bench -d with -ctk/-ctv f16,
+#                                                 # q8_0 and q4_0, on a 16k-context copy (no argument: both)
 #   bash benchmarks/gpu.sh depth [kernels|timeline|llama] # there: the kernels' tg128 at depth 0, 4096 and 8192, one
 #                                                 # sequence and 16, under other attention settings
 #                                                 # (benchmarks/attention_depth.py); the layer timeline at those
@@ -355,26 +356,30 @@ models() {  # MoE prefill in expert order; the 2026 models' shapes beside llama-
     done
 }
 
-kv_depth() {  # the quantized KV cache at depth, side by side with llama.cpp's quantized cache
+kv_depth() {  # the quantized KV cache at depth through the kernels, side by side with llama.cpp's quantized cache
     mkdir -p "$out"
-    local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf run bits kernels
+    local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf part=${1:-all} run flags
+    case $part in all|ours|llama) ;; *) echo "gpu.sh kv: unknown part '$part' (ours, llama)" >&2; exit 2 ;; esac
     [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
-    # A quantized cache always decodes through the plain step: the kernels run only unquantized.
-    for run in none:1 none:0 8:0 4:0; do
-        bits=${run%:*} kernels=${run#*:}
-        log "mlxllama bench -d 0,8192 --kv-bits $bits, MLXLLAMA_CUDA_KERNELS=$kernels"
-        MLXLLAMA_CUDA_KERNELS=$kernels timeout 240 python3 -m mlxllama bench -m "$deep" -p 512 -n 128 -r 2 \
-            -d 0,8192 $([ $bits = none ] || echo --kv-bits $bits) --json > "$out/kv-$bits-$kernels.json"
-        python3 -c "import json; r = json.load(open('$out/kv-$bits-$kernels.json'))
+    # By default unquantized and 8-bit twice, interleaved (8-bit's target is a ratio to unquantized),
+    # 4-bit and 8-bit keys with 4-bit values once (KV_RUNS: others); KV_SECONDS bounds each run.
+    for run in $([ "$part" = llama ] || echo ${KV_RUNS:-none 8 4 k8v4 none 8}); do
+        case $run in none) flags= ;; k8v4) flags="--kv-bits 4 --kv-key-bits 8" ;; *) flags="--kv-bits $run" ;; esac
+        log "mlxllama bench -b 1,16 -d 0,4096,8192 $flags"
+        timeout "${KV_SECONDS:-150}" python3 -m mlxllama bench -m "$deep" -p 512 -n 128 -r 2 -b 1,16 -d 0,4096,8192 \
+            $flags --json > "$out/kv-$run.json.tmp" && cat "$out/kv-$run.json.tmp" >> "$out/kv-$run.jsonl"
+        rm -f "$out/kv-$run.json.tmp"
+        python3 -c "import json
+for line in open('$out/kv-$run.jsonl'): r = json.loads(line)
 print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t['tokens_per_second'], 1)) for t in r['tests']])"
     done
-    if llama_cpp_built; then
-        for bits in f16 q8_0 q4_0; do
-            log "llama-bench -d 0,8192 -ctk $bits -ctv $bits"
-            timeout 120 "$work/llama-build/bin/llama-bench" -m "$deep" -p 512 -n 128 -r 2 -ngl 99 -fa on \
-                -d 0,8192 -ctk $bits -ctv $bits -o json > "$out/llama-bench-kv-$bits.json"
+    if [ "$part" != ours ] && llama_cpp_built; then
+        for run in f16 q8_0 q4_0; do
+            log "llama-bench -d 0,4096,8192 -ctk $run -ctv $run"
+            timeout 150 "$work/llama-build/bin/llama-bench" -m "$deep" -p 512 -n 128 -r 2 -ngl 99 -fa on \
+                -d 0,4096,8192 -ctk $run -ctv $run -o json > "$out/llama-bench-kv-$run.json"
             python3 -c "import json; print([(r['n_prompt'], r['n_gen'], r['n_depth'], round(r['avg_ts'], 1))
-    for r in json.load(open('$out/llama-bench-kv-$bits.json'))])"
+    for r in json.load(open('$out/llama-bench-kv-$run.json'))])"
         done
     fi
 }
@@ -552,7 +557,7 @@ case ${1:-} in
     structured) structured ;;
     speculative) speculative "${2:-}" "${3:-}" ;;
     models) models ;;
-    kv) kv_depth ;;
+    kv) kv_depth "${2:-all}" ;;
     depth) attention_depth "${2:-all}" ;;
     versus) shift; versus "$@" ;;
     multi) case ${2:-} in check) multi_check ;; bench) multi_bench "${3:-tiny}" "${4:-both}" ;; *) sed -n '2,65p' "$0"; exit 2 ;; esac ;;

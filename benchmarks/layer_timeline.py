@@ -1,6 +1,6 @@
 """Where a layer_kernel launch's time goes (CUDA only): when the blocks reach and leave each grid barrier.
 
-    python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199]
+    python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199] [--kv-bits 8|4]
     python benchmarks/layer_timeline.py --header-only > timed.cu   # to compile-check it (nvcc, NVRTC)
 
 Builds the model's kernel step (mlxllama.cuda) from a copy of decode_step.cu in which thread 0 of
@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxllama import load
+from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
 from mlxllama.cuda.step import device_limits
 from mlxllama.errors import MlxLlamaError
@@ -83,6 +84,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?")
     parser.add_argument("--positions", default="10,100,199")
+    parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
     parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
     args = parser.parse_args()
     if args.header_only:
@@ -96,7 +98,7 @@ def main():
     if not limits or not mx.cuda.is_available():
         raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
     instrument(limits[0], timestamps)
-    runtime = load(args.model)
+    runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
     model = runtime.model
     model.decode_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
     cache = model.make_cache()

@@ -172,11 +172,6 @@ def kv_bytes_per_position(config, dtype: mx.Dtype, quantization: KVQuantization 
     return int(config.n_layers * 2 * config.n_kv_heads * config.head_dim * per_value)
 
 
-def quantizes(cache) -> bool:
-    """Whether a cache stores (or will store) its keys and values quantized."""
-    return any(layer.quantization is not None for layer in cache)
-
-
 class KVCache:
     window = 0  # it keeps every position (SlidingKVCache keeps a window)
 
@@ -191,6 +186,10 @@ class KVCache:
     def quantized(self) -> bool:
         """Whether the buffers hold quantized keys and values now (KVQuantization.start passed)."""
         return isinstance(self.keys, tuple)
+
+    def stores_quantized(self, new: int) -> bool:
+        """Whether the buffers hold quantized keys and values once `new` more positions are appended."""
+        return self.quantization is not None and self.quantization.applies(self.quantized, self.offset + new)
 
     def _stored(self, keys: mx.array, values: mx.array, held: int) -> tuple[Buffer, Buffer]:
         """New keys and values as the buffers will store them once they hold `held` positions:
@@ -483,6 +482,10 @@ class BatchKVCache:
     def one_length(self) -> int | None:
         """The rows' length where they all have one (a lone row: a server with one client), else None."""
         return self.lengths[0] if len(set(self.lengths)) == 1 else None
+
+    def stores_quantized(self, new: int) -> bool:
+        """Whether the rows hold quantized keys and values once `new` more positions are appended to each."""
+        return self.quantization is not None and self.quantization.applies(self.quantized, max(self.lengths) + new)
 
     def _stored(self, keys: mx.array, values: mx.array, end: int) -> tuple[Buffer, Buffer]:
         """New keys and values as the rows store them once the longest holds `end` positions

@@ -296,19 +296,22 @@ __device__ void residual_tiles(const uint32_t* w, const S* scales, const S* bias
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up: a block takes a tile of both -> act = SiLU(gate) * up (float16);
 //   5. down projection + residual -> y.
-// keys/values: [seqs, KV_HEADS, capacity, HEAD_DIM]. scratch: q [NT * 8][HEADS * HEAD_DIM],
+// The cache: as LayerCache says, for `seqs` sequences. scratch: q [NT * 8][HEADS * HEAD_DIM],
 // partials [NT * 8][HEADS][MAX_RUNS][HEAD_DIM + 2], attn [NT * 8][HEADS * HEAD_DIM], h [NT * 8][HIDDEN],
-// act (float16) [NT * 8][FFN]. sync: as layer_kernel's, with a count for each sequence and head group.
+// act (float16) [NT * 8][FFN], a quantized cache's fresh keys and values [NT * 8][2][KV_HEADS * HEAD_DIM].
+// sync: as layer_kernel's, with a count for each sequence and head group.
 template <int NT, int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS,
           int HEADS, int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
-          int MAX_RUNS, typename N, typename S, typename B, typename C>
+          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int MAX_RUNS, typename N, typename S, typename B, typename C,
+          typename KS>
 __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm, const float* eps,
                                    const uint32_t* w_q, const S* s_q, const S* b_q, const uint32_t* w_k,
                                    const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v, const S* b_v,
                                    const B* bias_q, const B* bias_k, const B* bias_v, const int32_t* positions,
                                    const float* inv_freq, const float* attn_factor, const C* keys, const C* values,
-                                   int capacity, const uint32_t* w_o, const S* s_o, const S* b_o, const N* ffn_norm,
+                                   const KS* key_scales, const KS* key_biases, const KS* value_scales,
+                                   const KS* value_biases, int capacity, const uint32_t* w_o, const S* s_o, const S* b_o, const N* ffn_norm,
                                    const uint32_t* w_gate, const S* s_gate, const S* b_gate, const uint32_t* w_up,
                                    const S* s_up, const S* b_up, const uint32_t* w_down, const S* s_down,
                                    const S* b_down, const uint32_t* sync, const float* scratch, float* y) {
@@ -318,6 +321,9 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   float* attn = partials + SEQS * HEADS * MAX_RUNS * (HEAD_DIM + 2);
   float* h = attn + SEQS * Q_DIM;
   __half* act = reinterpret_cast<__half*>(h + SEQS * HIDDEN);
+  const LayerCache<KV_HEADS, HEAD_DIM, KEY_BITS, VALUE_BITS, KV_GROUP, C, KS> cache{
+      keys, values, key_scales, key_biases, value_scales, value_biases, capacity,
+      reinterpret_cast<float*>(act + SEQS * FFN)};
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
   unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
   // Shared memory: the warps' fragments (two matrices' worth), then the staged inputs and their group sums.
@@ -351,17 +357,15 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
     const int part = part_of(tile, first), head = (first + tile_row) / half, i = (first + tile_row) % half;
     const bool rotate = pair_dims<ROPE_DIM, TRADITIONAL>(i, part < 2, d0, d1);
     if (seq < seqs) {
-      const size_t seq_cache = static_cast<size_t>(seq) * KV_HEADS * capacity * HEAD_DIM;
       store_pair<BIAS, HEAD_DIM>(part, head, i, d0, d1, rotate, value[0][0], value[0][1], positions[seq], bias_q,
-                                 bias_k, bias_v, inv_freq, attn_factor, q + seq * Q_DIM, keys + seq_cache,
-                                 values + seq_cache, capacity);
+                                 bias_k, bias_v, inv_freq, attn_factor, q + seq * Q_DIM, cache, seq);
     }
   });
   grid_barrier(arrivals);
 
   // 2. Attention, each sequence over its own length.
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(seqs, positions, q, partials, attn, keys, values, capacity,
-                                                       runs_done, reinterpret_cast<float*>(xs));
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(seqs, positions, q, partials, attn, cache, runs_done,
+                                                       reinterpret_cast<float*>(xs));
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS>(seqs, runs_done);
 

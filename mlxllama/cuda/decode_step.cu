@@ -297,12 +297,11 @@ __device__ inline bool pair_dims(int i, bool rope, int& d0, int& d1) {
 
 // Pair i (dims d0, d1) of `head` of Q, K or V (part 0, 1, 2) made final from its products y0, y1:
 // plus the rows' biases (BIAS), turned by RoPE at position `pos` (rotate). Q's go to q
-// [HEADS * HEAD_DIM]; K's and V's into slot `pos` of the cache buffers keys/values
-// [KV_HEADS][capacity][HEAD_DIM] of one sequence, in place (step.py says why).
-template <bool BIAS, int HEAD_DIM, typename B, typename C>
+// [HEADS * HEAD_DIM]; K's and V's to the sequence's new slot in `cache` (LayerCache::store).
+template <bool BIAS, int HEAD_DIM, typename B, typename Cache>
 __device__ inline void store_pair(int part, int head, int i, int d0, int d1, bool rotate, float y0, float y1, int pos,
                                   const B* bias_q, const B* bias_k, const B* bias_v, const float* inv_freq,
-                                  const float* attn_factor, float* q, const C* keys, const C* values, int capacity) {
+                                  const float* attn_factor, float* q, const Cache& cache, int seq) {
   if (BIAS) {
     const B* bias = part == 0 ? bias_q : (part == 1 ? bias_k : bias_v);
     y0 += static_cast<float>(bias[head * HEAD_DIM + d0]);
@@ -320,22 +319,19 @@ __device__ inline void store_pair(int part, int head, int i, int d0, int d1, boo
     q[head * HEAD_DIM + d0] = y0;
     q[head * HEAD_DIM + d1] = y1;
   } else {
-    C* cache = const_cast<C*>(part == 1 ? keys : values);
-    const size_t slot = (static_cast<size_t>(head) * capacity + pos) * HEAD_DIM;
-    cache[slot + d0] = static_cast<C>(y0);
-    cache[slot + d1] = static_cast<C>(y1);
+    cache.store(seq, part, head, d0, d1, y0, y1, pos);
   }
 }
 
 // Step 1 of layer_kernel for one warp: pair `pair` of rows of Q, K or V (pairs of Q's heads, then
 // K's, then V's) times the staged normalized input, made final by store_pair.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
-          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename C>
+          int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int K, typename S, typename B, typename Cache>
 __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, const S* s_q, const S* b_q,
                               const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v,
                               const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
                               const int32_t* position, const float* inv_freq, const float* attn_factor,
-                              const C* keys, const C* values, int capacity, float* q) {
+                              const Cache& cache, float* q) {
   constexpr int half = HEAD_DIM / 2;
   constexpr int q_pairs = HEADS * half, kv_pairs = KV_HEADS * half;
   const int part = pair < q_pairs ? 0 : (pair < q_pairs + kv_pairs ? 1 : 2);
@@ -354,7 +350,7 @@ __device__ void qkv_rope_pair(int pair, const float* smem, const uint32_t* w_q, 
   }
   if (threadIdx.x % 32 == 0) {
     store_pair<BIAS, HEAD_DIM>(part, head, i, d0, d1, rotate, y[0], y[1], position[0], bias_q, bias_k, bias_v,
-                               inv_freq, attn_factor, q, keys, values, capacity);
+                               inv_freq, attn_factor, q, cache, 0);
   }
 }
 
@@ -423,25 +419,271 @@ __device__ constexpr int head_groups() {
 
 // Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
 template <int BYTES> struct Raw;
+template <> struct Raw<1> { using type = unsigned char; };
 template <> struct Raw<2> { using type = unsigned short; };
 template <> struct Raw<4> { using type = unsigned int; };
 template <> struct Raw<8> { using type = uint2; };
 template <> struct Raw<16> { using type = uint4; };
 
-// One warp's attention of QH queries (q: QH * HEAD_DIM scaled values in shared memory) over the
-// cache slots [begin, end) of their KV head: an online softmax over chunks of 32 slots, each lane
-// scoring one slot of a chunk for every query. Query h's result goes to out + h * out_stride: its
-// normalized output [HEAD_DIM] where `whole` (the run is all the slots), else its weighted values
-// [HEAD_DIM], max score and sum of exponentials, for combine_runs.
+// The words of a lane's raw bits, for field().
+template <typename R>
+__device__ inline void raw_words(const R& raw, uint32_t (&words)[2]) {
+  if constexpr (sizeof(R) == 8) {
+    words[0] = raw.x, words[1] = raw.y;
+  } else {
+    words[0] = raw, words[1] = 0;
+  }
+}
+
+// A 16-bit cache's slots of one KV head (keys and values [slots][HEAD_DIM]), as attention_run reads them.
+template <int HEAD_DIM, int QH, typename C>
+struct PlainSlots {
+  static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
+  static constexpr bool quantized = false;
+  static constexpr int per_lane = HEAD_DIM / 32;
+  // Slots whose dims a lane loads at once: all 32 of a chunk where registers allow.
+  static constexpr int at_once = per_lane <= 2 ? 32 : 16;
+  using Dims = typename Raw<per_lane * sizeof(C)>::type;
+  const C* k;
+  const C* v;
+
+  __device__ Dims dims(int s) const {
+    return __ldcg(reinterpret_cast<const Dims*>(v + static_cast<size_t>(s) * HEAD_DIM + threadIdx.x % 32 * per_lane));
+  }
+
+  // score[h] += query h . key of `slot` (q: QH scaled queries in shared memory).
+  __device__ void score(int slot, const float* q, const float*, float (&score)[QH]) const {
+    const uint4* key = reinterpret_cast<const uint4*>(k + static_cast<size_t>(slot) * HEAD_DIM);
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) {
+      const uint4 packed = __ldcg(key + i);
+      const C* eight = reinterpret_cast<const C*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float value = static_cast<float>(eight[j]);
+#pragma unroll
+        for (int h = 0; h < QH; ++h) {
+          score[h] += q[h * HEAD_DIM + 8 * i + j] * value;
+        }
+      }
+    }
+  }
+
+  // acc[h] += weight of slot t (lane t's p[h]) times the lane's dims of its value.
+  __device__ void add_values(float (&acc)[QH][per_lane], const float (&p)[QH], int t, const Dims& dims) const {
+    const C* value = reinterpret_cast<const C*>(&dims);
+#pragma unroll
+    for (int h = 0; h < QH; ++h) {
+      const float p_t = __shfl_sync(0xffffffff, p[h], t);
+#pragma unroll
+      for (int j = 0; j < per_lane; ++j) {
+        acc[h][j] += p_t * static_cast<float>(value[j]);
+      }
+    }
+  }
+
+  __device__ void add_value_biases(int, const float (&)[QH]) {}
+  __device__ void rescale(int, float) {}
+  __device__ void finish(float (&)[QH][per_lane]) {}
+};
+
+// A lane's PER_LANE dims of a new key or value (x, consecutive dims from lane * PER_LANE), quantized
+// as MLX's affine_quantize would quantize them (mlx/backend/cuda/quantized/affine_quantize.cu), so
+// that the kernels store what mx.quantize stores: codes, and the scale and bias of the lane's group
+// of GS dims before rounding to the cache's type. A group's lanes are GS / PER_LANE consecutive ones;
+// its largest value is taken with 0, its smallest not, as MLX's are; IEEE divisions whatever the
+// compiler's flags.
+template <int BITS, int GS, int PER_LANE>
+__device__ inline void affine_quantize(const float (&x)[PER_LANE], uint32_t (&code)[PER_LANE], float& scale,
+                                       float& bias) {
+  constexpr float n_bins = (1 << BITS) - 1;
+  float lo = x[0], hi = fmaxf(x[0], 0.0f);
+#pragma unroll
+  for (int j = 1; j < PER_LANE; ++j) {
+    lo = fminf(lo, x[j]);
+    hi = fmaxf(hi, x[j]);
+  }
+#pragma unroll
+  for (int offset = GS / PER_LANE / 2; offset > 0; offset >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, offset));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, offset));
+  }
+  scale = fmaxf(__fdiv_rn(hi - lo, n_bins), 1e-7f);
+  const bool low_side = fabsf(lo) > fabsf(hi);
+  scale = low_side ? scale : -scale;
+  const float edge = low_side ? lo : hi, q0 = roundf(__fdiv_rn(edge, scale));
+  const bool at_zero = q0 == 0.0f;
+  scale = at_zero ? scale : __fdiv_rn(edge, q0);
+  bias = at_zero ? 0.0f : edge;
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    code[j] = static_cast<uint32_t>(fminf(roundf(__fdiv_rn(x[j] - bias, scale)), n_bins));
+  }
+}
+
+// A quantized cache's slots of one KV head (MLX's affine format along HEAD_DIM, GS values a scale
+// and bias), as attention_run reads them, and the head's new key and value (fresh_k, fresh_v:
+// floats), which the kernels quantize as they store them (LayerCache::store_fresh).
+// A lane scores its slot's whole key: scale * sum(q * code) + bias * sum(q), the queries' group sums
+// staged beside them. For values, a lane loads its dims' codes and their group's scale for every
+// slot, and the bias term, the same for all dims of a group, is summed by the slot's own lane and
+// added once at the end (finish).
+template <int HEAD_DIM, int QH, int KEY_BITS, int VALUE_BITS, int GS, typename KS>
+struct QuantizedSlots {
+  static constexpr bool quantized = true;
+  static constexpr int per_lane = HEAD_DIM / 32, groups = HEAD_DIM / GS;
+  static constexpr int key_words = HEAD_DIM * KEY_BITS / 32, value_words = HEAD_DIM * VALUE_BITS / 32;
+  // Slots whose values a lane loads at once: half a chunk. All 32, with codes and scale packed in
+  // one register, spilled registers and decoded slower (docs/benchmarks.md, "Quantized KV cache").
+  static constexpr int at_once = 16;
+  static_assert(per_lane * VALUE_BITS % 8 == 0 && GS * KEY_BITS / 32 % 4 == 0, "whole bytes a lane, 16-byte key loads");
+  using Bits = typename Raw<per_lane * VALUE_BITS / 8>::type;
+  struct Dims {
+    Bits bits;
+    float scale;
+  };
+  const uint32_t* k;
+  const KS* k_scales;
+  const KS* k_biases;
+  const uint32_t* v;
+  const KS* v_scales;
+  const KS* v_biases;
+  const float* fresh_k;
+  const float* fresh_v;
+  float value_bias[QH][groups];
+
+  __device__ static int lane_group() {
+    return threadIdx.x % 32 * per_lane / GS;
+  }
+
+  __device__ Dims dims(int s) const {
+    const unsigned char* row = reinterpret_cast<const unsigned char*>(v + static_cast<size_t>(s) * value_words);
+    return {__ldcg(reinterpret_cast<const Bits*>(row + threadIdx.x % 32 * per_lane * VALUE_BITS / 8)),
+            load_fresh(v_scales + static_cast<size_t>(s) * groups + lane_group())};
+  }
+
+  __device__ void score(int slot, const float* q, const float* q_sums, float (&score)[QH]) const {
+    constexpr int group_words = GS * KEY_BITS / 32;
+    const uint4* key = reinterpret_cast<const uint4*>(k + static_cast<size_t>(slot) * key_words);
+#pragma unroll
+    for (int g = 0; g < groups; ++g) {
+      uint32_t words[group_words];
+#pragma unroll
+      for (int i = 0; i < group_words / 4; ++i) {
+        const uint4 packed = __ldcg(key + g * group_words / 4 + i);
+        words[4 * i] = packed.x, words[4 * i + 1] = packed.y, words[4 * i + 2] = packed.z, words[4 * i + 3] = packed.w;
+      }
+      const float scale = load_fresh(k_scales + static_cast<size_t>(slot) * groups + g);
+      const float bias = load_fresh(k_biases + static_cast<size_t>(slot) * groups + g);
+      float dot[QH];
+#pragma unroll
+      for (int h = 0; h < QH; ++h) {
+        dot[h] = 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < GS; ++j) {
+        const float code = field<KEY_BITS>(words, j);
+#pragma unroll
+        for (int h = 0; h < QH; ++h) {
+          dot[h] += q[h * HEAD_DIM + g * GS + j] * code;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < QH; ++h) {
+        score[h] += scale * dot[h] + bias * q_sums[h * groups + g];
+      }
+    }
+  }
+
+  __device__ void add_values(float (&acc)[QH][per_lane], const float (&p)[QH], int t, const Dims& dims) const {
+    uint32_t words[2];
+    raw_words(dims.bits, words);
+#pragma unroll
+    for (int h = 0; h < QH; ++h) {
+      const float weight = __shfl_sync(0xffffffff, p[h], t) * dims.scale;
+#pragma unroll
+      for (int j = 0; j < per_lane; ++j) {
+        acc[h][j] += weight * field<VALUE_BITS>(words, j);
+      }
+    }
+  }
+
+  // The lane's own slot's weights p times its value biases, a sum per group.
+  __device__ void add_value_biases(int slot, const float (&p)[QH]) {
+#pragma unroll
+    for (int g = 0; g < groups; ++g) {
+      const float bias = load_fresh(v_biases + static_cast<size_t>(slot) * groups + g);
+#pragma unroll
+      for (int h = 0; h < QH; ++h) {
+        value_bias[h][g] += p[h] * bias;
+      }
+    }
+  }
+
+  __device__ void rescale(int h, float correction) {
+#pragma unroll
+    for (int g = 0; g < groups; ++g) {
+      value_bias[h][g] *= correction;
+    }
+  }
+
+  __device__ void finish(float (&acc)[QH][per_lane]) {
+#pragma unroll
+    for (int h = 0; h < QH; ++h) {
+#pragma unroll
+      for (int g = 0; g < groups; ++g) {
+        const float total = warp_sum(value_bias[h][g]);
+        if (lane_group() == g) {
+#pragma unroll
+          for (int j = 0; j < per_lane; ++j) {
+            acc[h][j] += total;
+          }
+        }
+      }
+    }
+  }
+
+  // The lane's dims of the new key and value as the cache stores them: quantized, then dequantized.
+  __device__ void fresh(float (&key)[per_lane], float (&value)[per_lane]) const {
+    const int first = threadIdx.x % 32 * per_lane;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      key[j] = load_fresh(fresh_k + first + j);
+      value[j] = load_fresh(fresh_v + first + j);
+    }
+    round_trip<KEY_BITS>(key);
+    round_trip<VALUE_BITS>(value);
+  }
+
+  template <int BITS>
+  __device__ static void round_trip(float (&x)[per_lane]) {
+    uint32_t code[per_lane];
+    float scale, bias;
+    affine_quantize<BITS, GS>(x, code, scale, bias);
+    const float stored_scale = static_cast<float>(static_cast<KS>(scale));
+    const float stored_bias = static_cast<float>(static_cast<KS>(bias));
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      x[j] = stored_scale * static_cast<float>(code[j]) + stored_bias;
+    }
+  }
+};
+
+// One warp's attention of QH queries (q: QH * HEAD_DIM scaled values in shared memory, q_sums their
+// group sums for a quantized cache) over the slots [begin, end) of their KV head: an online softmax
+// over chunks of 32 slots, each lane scoring one slot of a chunk for every query. Where `fresh_last`,
+// slot end - 1 is the step's new one, taken from `slots.fresh` (a quantized cache: the slot is
+// written in the same launch). Query h's result goes to out + h * out_stride: its normalized output
+// [HEAD_DIM] where `whole` (the run is all the slots), else its weighted values [HEAD_DIM], max
+// score and sum of exponentials, for combine_runs.
 // Each lane loads its dims of every slot of a chunk (or of half of one) before it adds the first:
 // one wait for L2 a chunk, not one a slot.
-template <int HEAD_DIM, int QH, typename C>
-__device__ void attention_run(const float* q, const C* k_head, const C* v_head, int begin, int end, float* out,
-                              int out_stride, bool whole) {
-  static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
-  constexpr int per_lane = HEAD_DIM / 32;
-  using Dims = typename Raw<per_lane * sizeof(C)>::type;
-  const int lane = threadIdx.x % 32;
+template <int HEAD_DIM, int QH, typename Slots>
+__device__ void attention_run(const float* q, const float* q_sums, Slots slots, int begin, int end, bool fresh_last,
+                              float* out, int out_stride, bool whole) {
+  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;
+  using Dims = typename Slots::Dims;
+  const int lane = threadIdx.x % 32, cached_end = fresh_last ? end - 1 : end;
   float running_max[QH], sum_exp[QH], acc[QH][per_lane];
 #pragma unroll
   for (int h = 0; h < QH; ++h) {
@@ -452,73 +694,75 @@ __device__ void attention_run(const float* q, const C* k_head, const C* v_head, 
       acc[h][j] = 0.0f;
     }
   }
-  // Slots whose dims a lane loads at once: all 32 of a chunk where registers allow.
-  constexpr int at_once = per_lane <= 2 ? 32 : 16;
-  for (int chunk = begin; chunk < end; chunk += 32) {
-    const auto load_dims = [&](int t) {
-      const int s = min(chunk + t, end - 1);
-      return __ldcg(reinterpret_cast<const Dims*>(v_head + static_cast<size_t>(s) * HEAD_DIM + lane * per_lane));
-    };
+  for (int chunk = begin; chunk < cached_end; chunk += 32) {
     const int slot = chunk + lane;
-    // Past `end`, the last slot's values, which a weight of 0 leaves out.
+    // Past the cached slots, the last one's values, which a weight of 0 leaves out.
     Dims dims[32];
 #pragma unroll
     for (int t = 0; t < at_once; ++t) {
-      dims[t] = load_dims(t);
+      dims[t] = slots.dims(min(chunk + t, cached_end - 1));
     }
     float score[QH];
 #pragma unroll
     for (int h = 0; h < QH; ++h) {
-      score[h] = slot < end ? 0.0f : negative_infinity();
+      score[h] = slot < cached_end ? 0.0f : negative_infinity();
     }
-    if (slot < end) {
-      const uint4* k = reinterpret_cast<const uint4*>(k_head + static_cast<size_t>(slot) * HEAD_DIM);
-#pragma unroll
-      for (int i = 0; i < HEAD_DIM / 8; ++i) {
-        const uint4 packed = __ldcg(k + i);
-        const C* eight = reinterpret_cast<const C*>(&packed);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float key = static_cast<float>(eight[j]);
-#pragma unroll
-          for (int h = 0; h < QH; ++h) {
-            score[h] += q[h * HEAD_DIM + 8 * i + j] * key;
-          }
-        }
-      }
+    if (slot < cached_end) {
+      slots.score(slot, q, q_sums, score);
     }
     float p[QH];
 #pragma unroll
     for (int h = 0; h < QH; ++h) {
       const float new_max = fmaxf(running_max[h], warp_max(score[h]));
       const float correction = expf(running_max[h] - new_max);
-      p[h] = slot < end ? expf(score[h] - new_max) : 0.0f;
+      p[h] = slot < cached_end ? expf(score[h] - new_max) : 0.0f;
       sum_exp[h] = sum_exp[h] * correction + warp_sum(p[h]);
 #pragma unroll
       for (int j = 0; j < per_lane; ++j) {
         acc[h][j] *= correction;
       }
+      slots.rescale(h, correction);
       running_max[h] = new_max;
+    }
+    if (slot < cached_end) {
+      slots.add_value_biases(slot, p);
     }
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
       if (t % at_once == 0 && t > 0) {
 #pragma unroll
         for (int u = t; u < t + at_once; ++u) {
-          dims[u] = load_dims(u);
+          dims[u] = slots.dims(min(chunk + u, cached_end - 1));
         }
       }
-      const C* v = reinterpret_cast<const C*>(&dims[t]);
+      slots.add_values(acc, p, t, dims[t]);
+    }
+  }
+  if constexpr (Slots::quantized) {
+    if (fresh_last) {
+      float key[per_lane], value[per_lane];
+      slots.fresh(key, value);
 #pragma unroll
       for (int h = 0; h < QH; ++h) {
-        const float p_t = __shfl_sync(0xffffffff, p[h], t);
+        float score = 0.0f;
 #pragma unroll
         for (int j = 0; j < per_lane; ++j) {
-          acc[h][j] += p_t * static_cast<float>(v[j]);
+          score += q[h * HEAD_DIM + lane * per_lane + j] * key[j];
         }
+        score = warp_sum(score);
+        const float new_max = fmaxf(running_max[h], score);
+        const float correction = expf(running_max[h] - new_max), p = expf(score - new_max);
+        sum_exp[h] = sum_exp[h] * correction + p;
+#pragma unroll
+        for (int j = 0; j < per_lane; ++j) {
+          acc[h][j] = acc[h][j] * correction + p * value[j];
+        }
+        slots.rescale(h, correction);
+        running_max[h] = new_max;
       }
     }
   }
+  slots.finish(acc);
 #pragma unroll
   for (int h = 0; h < QH; ++h) {
     float* head_out = out + h * out_stride;
@@ -532,6 +776,116 @@ __device__ void attention_run(const float* q, const C* k_head, const C* v_head, 
     }
   }
 }
+
+// A layer's cache as the layer kernels read and write it, for `seqs` sequences:
+// - plain (KEY_BITS 0): 16-bit keys and values [seqs][KV_HEADS][capacity][HEAD_DIM]; step 1 writes
+//   the new slot in place and attention reads it there after the barrier;
+// - quantized: MLX's affine format along HEAD_DIM (mx.quantize, KV_GROUP values a scale and bias):
+//   words [seqs][KV_HEADS][capacity][HEAD_DIM * BITS / 32], scales and biases
+//   [seqs][KV_HEADS][capacity][HEAD_DIM / KV_GROUP]. A group is quantized from all its values, which
+//   different warps compute, so step 1 leaves the new key and value in `fresh` (floats rounded to
+//   the cache's type, [seqs][2][KV_HEADS][HEAD_DIM]); in step 2 a warp a group writes the slot
+//   (store_fresh) while attention takes it from `fresh`, quantized the same way.
+// Slot p holds position p (step.py sends other caches to the plain step).
+template <int KV_HEADS, int HEAD_DIM, int KEY_BITS, int VALUE_BITS, int KV_GROUP, typename C, typename KS>
+struct LayerCache {
+  static constexpr bool quantized = KEY_BITS > 0;
+  static constexpr int groups = quantized ? HEAD_DIM / KV_GROUP : 1;
+  const C* keys;
+  const C* values;
+  const KS* key_scales;
+  const KS* key_biases;
+  const KS* value_scales;
+  const KS* value_biases;
+  int capacity;
+  float* fresh;
+
+  // The row of `keys` (and of values, scales, biases) holding slot 0 of a sequence's KV head.
+  __device__ size_t head_row(int seq, int kv_head) const {
+    return (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity;
+  }
+
+  __device__ float* fresh_of(int seq, int part, int kv_head) const {
+    return fresh + ((static_cast<size_t>(seq) * 2 + part) * KV_HEADS + kv_head) * HEAD_DIM;
+  }
+
+  // Dims d0, d1 of the new key (part 1) or value (part 2) of `head` at position `pos`.
+  __device__ void store(int seq, int part, int head, int d0, int d1, float y0, float y1, int pos) const {
+    if constexpr (quantized) {
+      float* dst = fresh_of(seq, part - 1, head);
+      dst[d0] = static_cast<float>(static_cast<KS>(y0));
+      dst[d1] = static_cast<float>(static_cast<KS>(y1));
+    } else {
+      C* cache = const_cast<C*>(part == 1 ? keys : values);
+      const size_t slot = (head_row(seq, head) + pos) * HEAD_DIM;
+      cache[slot + d0] = static_cast<C>(y0);
+      cache[slot + d1] = static_cast<C>(y1);
+    }
+  }
+
+  // The KV head's slots as attention_run reads them.
+  template <int QH>
+  __device__ auto slots(int seq, int kv_head) const {
+    const size_t row = head_row(seq, kv_head);
+    if constexpr (quantized) {
+      return QuantizedSlots<HEAD_DIM, QH, KEY_BITS, VALUE_BITS, KV_GROUP, KS>{
+          keys + row * (HEAD_DIM * KEY_BITS / 32), key_scales + row * groups, key_biases + row * groups,
+          values + row * (HEAD_DIM * VALUE_BITS / 32), value_scales + row * groups, value_biases + row * groups,
+          fresh_of(seq, 0, kv_head), fresh_of(seq, 1, kv_head), {}};
+    } else {
+      return PlainSlots<HEAD_DIM, QH, C>{keys + row * HEAD_DIM, values + row * HEAD_DIM};
+    }
+  }
+
+  // Quantized: each sequence's new slot written from `fresh`, a warp a key or value of a KV head,
+  // a lane HEAD_DIM / 32 dims (in whole bytes: kernels.takes_quantized_cache), taken by the launch's
+  // last warps (the first take attention's first items).
+  __device__ void store_fresh(int seqs, const int32_t* positions) const {
+    if constexpr (quantized) {
+      for (int item = grid_warps() - 1 - grid_warp(); item < seqs * 2 * KV_HEADS; item += grid_warps()) {
+        const int kv_head = item % KV_HEADS, part = item / KV_HEADS % 2, seq = item / (2 * KV_HEADS);
+        const size_t row = head_row(seq, kv_head) + positions[seq];
+        if (part == 0) {
+          store_dims<KEY_BITS>(fresh_of(seq, 0, kv_head), keys, key_scales, key_biases, row);
+        } else {
+          store_dims<VALUE_BITS>(fresh_of(seq, 1, kv_head), values, value_scales, value_biases, row);
+        }
+      }
+    }
+  }
+
+  template <int BITS>
+  __device__ void store_dims(const float* src, const C* words, const KS* scales, const KS* biases, size_t row) const {
+    constexpr int per_lane = HEAD_DIM / 32;
+    using Bits = typename Raw<per_lane * BITS / 8>::type;
+    const int lane = threadIdx.x % 32;
+    float x[per_lane];
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      x[j] = load_fresh(src + lane * per_lane + j);
+    }
+    uint32_t code[per_lane];
+    float scale, bias;
+    affine_quantize<BITS, KV_GROUP>(x, code, scale, bias);
+    uint32_t packed[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      packed[j * BITS / 32] |= code[j] << (j * BITS % 32);
+    }
+    unsigned char* row_bytes = reinterpret_cast<unsigned char*>(const_cast<C*>(words) + row * (HEAD_DIM * BITS / 32));
+    Bits* dst = reinterpret_cast<Bits*>(row_bytes + lane * per_lane * BITS / 8);
+    if constexpr (sizeof(Bits) == 8) {
+      *dst = make_uint2(packed[0], packed[1]);
+    } else {
+      *dst = static_cast<Bits>(packed[0]);
+    }
+    if (lane % (KV_GROUP / per_lane) == 0) {
+      const int g = lane * per_lane / KV_GROUP;
+      const_cast<KS*>(scales)[row * groups + g] = static_cast<KS>(scale);
+      const_cast<KS*>(biases)[row * groups + g] = static_cast<KS>(bias);
+    }
+  }
+};
 
 // Sets of runs combine_runs splits a warp's lanes into: as many as keep a lane's dims at 8 or fewer.
 __host__ __device__ constexpr int combine_sets(int head_dim) {
@@ -599,23 +953,25 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 }
 
 // Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
-// positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its cache in
-// keys/values [seqs][KV_HEADS][capacity][HEAD_DIM] (the new slot written). A head group is the
-// QH query heads a warp takes (query_heads). Each group's slots are cut into runs of whole chunks
-// of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a (sequence, group, run)
-// item. A group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM] at once; otherwise
-// the last min(QH, runs) warps done with a group's runs each wait for the others and combine some
-// of its heads. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a count for each
-// sequence and group, zero before, made zero again by reset_runs_done after the next grid barrier.
-// Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own (all
-// resident) wherever a group has more than one run.
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename C>
+// positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values
+// in `cache` (LayerCache: the new slot written, or for a quantized cache in `fresh`, stored here). A
+// head group is the QH query heads a warp takes (query_heads). Each group's slots are cut into runs
+// of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a
+// (sequence, group, run) item. A group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM]
+// at once; otherwise the last min(QH, runs) warps done with a group's runs each wait for the others
+// and combine some of its heads. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a count
+// for each sequence and group, zero before, made zero again by reset_runs_done after the next grid
+// barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
+// (all resident) wherever a group has more than one run.
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
-                                const C* keys, const C* values, int capacity, unsigned int* runs_done, float* smem) {
+                                const Cache& cache, unsigned int* runs_done, float* smem) {
   constexpr int QH = query_heads(HEADS / KV_HEADS), GROUPS = head_groups<HEADS, KV_HEADS>();
-  constexpr int stride = MAX_RUNS * (HEAD_DIM + 2);
+  constexpr int stride = MAX_RUNS * (HEAD_DIM + 2), q_groups = Cache::groups;
+  cache.store_fresh(seqs, positions);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
   float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
+  float* q_sums = smem + LAYER_WARPS * QH * HEAD_DIM + threadIdx.x / 32 * QH * q_groups;
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
   for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
     const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
@@ -630,15 +986,24 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
       q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
     }
     __syncwarp();
-    const size_t kv_offset = (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity * HEAD_DIM;
+    if (Cache::quantized && lane < QH * q_groups) {
+      float sum = 0.0f;
+      for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
+        sum += q_scaled[lane * (HEAD_DIM / q_groups) + d];
+      }
+      q_sums[lane] = sum;
+    }
+    __syncwarp();
+    const auto head_slots = cache.template slots<QH>(seq, kv_head);
+    const int end = min(r * run + run, slots);
     if (runs == 1) {
-      attention_run<HEAD_DIM, QH>(q_scaled, keys + kv_offset, values + kv_offset, 0, slots,
+      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
                                   attn + seq_head * HEAD_DIM, HEAD_DIM, true);
       continue;
     }
     float* group_partials = partials + static_cast<size_t>(seq_head) * stride;
-    attention_run<HEAD_DIM, QH>(q_scaled, keys + kv_offset, values + kv_offset, r * run,
-                                min(r * run + run, slots), group_partials + r * (HEAD_DIM + 2), stride, false);
+    attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end, Cache::quantized && end == slots,
+                                group_partials + r * (HEAD_DIM + 2), stride, false);
     __threadfence();
     __syncwarp();
     unsigned int* done = runs_done + seq * GROUPS + group;
@@ -681,20 +1046,22 @@ __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
 // `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn,
-// h, gate and up (float32 each). It and `sync` are inputs that the kernel writes: step.py
+// h, gate, up and a quantized cache's fresh key and value [2][KV_HEADS * HEAD_DIM] (float32 each). It and `sync` are inputs that the kernel writes: step.py
 // allocates them once for all layers, since every output costs MLX an allocation a launch.
 // `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head group,
 // its runs done so far (made zero again after the barrier that follows attention); all zero when first used.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
-          int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B, typename C>
+          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B,
+          typename C, typename KS>
 __device__ void layer_kernel(const float* x, const N* attn_norm, const float* eps, const uint32_t* w_q, const S* s_q,
                              const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
                              const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
                              const int32_t* position, const float* inv_freq, const float* attn_factor,
-                             const C* keys, const C* values, int capacity, const uint32_t* w_o, const S* s_o,
-                             const S* b_o, const N* ffn_norm, const uint32_t* w_gate, const S* s_gate,
+                             const C* keys, const C* values, const KS* key_scales, const KS* key_biases,
+                             const KS* value_scales, const KS* value_biases, int capacity, const uint32_t* w_o,
+                             const S* s_o, const S* b_o, const N* ffn_norm, const uint32_t* w_gate, const S* s_gate,
                              const S* b_gate, const uint32_t* w_up, const S* s_up, const S* b_up,
                              const uint32_t* w_down, const S* s_down, const S* b_down, const uint32_t* sync,
                              const float* scratch, float* y) {
@@ -704,6 +1071,8 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   float* h = attn + HEADS * HEAD_DIM;
   float* gate = h + HIDDEN;
   float* up = gate + FFN;
+  const LayerCache<KV_HEADS, HEAD_DIM, KEY_BITS, VALUE_BITS, KV_GROUP, C, KS> cache{
+      keys, values, key_scales, key_biases, value_scales, value_biases, capacity, up + FFN};
   float* smem = shared_floats();
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
   unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
@@ -713,12 +1082,11 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   for (int pair = warp; pair < (HEADS + 2 * KV_HEADS) * HEAD_DIM / 2; pair += warps) {
     qkv_rope_pair<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
                   TRADITIONAL, HIDDEN>(pair, smem, w_q, s_q, b_q, w_k, s_k, b_k, w_v, s_v, b_v, bias_q, bias_k,
-                                       bias_v, position, inv_freq, attn_factor, keys, values, capacity, q);
+                                       bias_v, position, inv_freq, attn_factor, cache, q);
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, keys, values, capacity,
-                                                       runs_done, smem);
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, cache, runs_done, smem);
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS>(1, runs_done);
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cache import KVQuantization
 from ..models import ModelConfig
 
 
@@ -54,18 +55,21 @@ RUNS_LIMIT = 128
 
 # Values MLX passes with the inputs: the cache's capacity in slots, and the number of sequences.
 CAPACITY, ROWS = "keys_shape[2]", "x_shape[0]"
+# A cache's arrays: keys and values (a quantized cache's packed words), and a quantized cache's scales and biases.
+CACHE = ("keys", "values", "key_scales", "key_biases", "value_scales", "value_biases")
 _ATTENTION = ("attn_norm", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v", "s_v", "b_v", "bias_q",
-              "bias_k", "bias_v", "position", "inv_freq", "attn_factor", "keys", "values", CAPACITY)
+              "bias_k", "bias_v", "position", "inv_freq", "attn_factor", *CACHE, CAPACITY)
 _FEED_FORWARD = ("w_o", "s_o", "b_o", "ffn_norm", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "w_down",
                  "s_down", "b_down", "sync", "scratch", "y")
 LAYER_PARAMETERS = ("x", *_ATTENTION, *_FEED_FORWARD)  # decode_step.cu's layer_kernel
 BATCH_LAYER_PARAMETERS = ("x", ROWS, *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
 HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "scales", "biases", "ROWS", "y")  # decode_step.cu's head_kernel
 # Template parameters both layer kernels take, in their order (batch_layer_kernel has NT first, and
-# layer_kernel FFN_ROWS before MAX_RUNS).
+# layer_kernel FFN_ROWS before MAX_RUNS). KEY_BITS, VALUE_BITS and KV_GROUP describe a quantized
+# cache (decode_step.cu's LayerCache), all 0 for a plain one.
 LAYER_TEMPLATE = ("Q_BITS", "Q_BIASES", "K_BITS", "K_BIASES", "V_BITS", "V_BIASES", "BIAS", "HEADS", "KV_HEADS",
                   "HEAD_DIM", "ROPE_DIM", "TRADITIONAL", "HIDDEN", "O_BITS", "O_BIASES", "GATE_BITS", "GATE_BIASES",
-                  "UP_BITS", "UP_BIASES", "DOWN_BITS", "DOWN_BIASES", "FFN")
+                  "UP_BITS", "UP_BIASES", "DOWN_BITS", "DOWN_BIASES", "FFN", "KEY_BITS", "VALUE_BITS", "KV_GROUP")
 HEAD_TEMPLATE = ("BITS", "STORED_BIASES", "K", "R")
 
 
@@ -104,8 +108,17 @@ def head_groups(c: ModelConfig) -> int:
 
 
 def attention_queries_floats(c: ModelConfig) -> int:
-    """Shared memory for the scaled queries of every warp's head group."""
-    return LAYER_THREADS // 32 * query_heads(c) * c.head_dim
+    """Shared memory for the scaled queries of every warp's head group, and their sums over each
+    group of a quantized cache (32 values at least)."""
+    return LAYER_THREADS // 32 * query_heads(c) * (c.head_dim + c.head_dim // 32)
+
+
+def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
+    """Whether the kernels read and write a cache quantized so (decode_step.cu's QuantizedSlots and
+    LayerCache): a lane's HEAD_DIM / 32 dims of a key and of a value in whole bytes. The group sizes
+    KVQuantization allows (32 to 128, dividing the head) and head sizes the kernels take (multiples
+    of 32) need nothing more."""
+    return c.head_dim // 32 * min(quantization.bits, quantization.bits_of_keys) % 8 == 0
 
 
 def layer_shared_floats(c: ModelConfig) -> int:
@@ -136,12 +149,14 @@ def max_runs(blocks: int, c: ModelConfig, seqs: int = 1) -> int:
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:
-    """layer_kernel's scratch input: q, partials, attn, h, gate, up."""
-    q_dim = c.n_heads * c.head_dim
-    return 2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size
+    """layer_kernel's scratch input: q, partials, attn, h, gate, up, and a quantized cache's fresh key and value."""
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return 2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size + 2 * kv_dim
 
 
 def batch_scratch_floats(c: ModelConfig, tiles: int, runs: int) -> int:
-    """batch_layer_kernel's scratch input: q, partials, attn, h, and act (float16, two a float)."""
-    q_dim = c.n_heads * c.head_dim
-    return tiles * SEQ_TILE * (2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + c.ffn_size // 2)
+    """batch_layer_kernel's scratch input: q, partials, attn, h, act (float16, two a float), and a
+    quantized cache's fresh keys and values."""
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return tiles * SEQ_TILE * (2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + c.ffn_size // 2
+                               + 2 * kv_dim)

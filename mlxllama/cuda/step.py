@@ -21,7 +21,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import BatchKVCache, KVCache, quantizes, rotates
+from ..cache import BatchKVCache, KVCache, kv_arrays, rotates
 from ..fusion import FUSED
 from ..models.transformer import DecodeStep, Transformer, rope_periods
 from ..quantized_layers import NativeLinear
@@ -116,10 +116,9 @@ class KernelStep:
         return rows == 1 or (self.batches and rows <= MAX_BATCH)
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
-        # The kernels write position p to slot p of plain buffers: a cache that drops positions or
-        # stores them quantized goes the plain way.
+        # The kernels write position p to slot p: a cache that drops positions goes the plain way.
         if (cache[0].keys is None or tokens.shape[1] != 1 or not self.takes(tokens.shape[0]) or rotates(cache)
-                or quantizes(cache)):
+                or not self.takes_storage(cache[0])):
             return self.fallback(tokens, cache)
         for layer in cache:
             layer.make_room(1)
@@ -132,12 +131,22 @@ class KernelStep:
             layer.advance(1)
         return logits
 
+    def takes_storage(self, layer: KVCache | BatchKVCache) -> bool:
+        """Whether the kernels read and write a cache stored as `layer` (every layer alike) stores
+        this step's slot: plainly, or quantized as they read it (kernels.takes_quantized_cache).
+        Not at the step where a cache starts quantizing (--quantized-kv-start): the plain step
+        quantizes what it held."""
+        if layer.stores_quantized(1) != layer.quantized:
+            return False
+        return not layer.quantized or kernels.takes_quantized_cache(self.config, layer.quantization)
+
     def _launch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         rows = tokens.shape[0]
         offsets = cache[0].lengths if isinstance(cache[0], BatchKVCache) else [cache[0].offset] * rows
         if max(offsets) >= self.positions.size:
             self.positions = _on_device(mx.arange(2 * max(offsets), dtype=mx.int32))
-        buffers = [a for layer in cache for a in (layer.keys, layer.values)]
+        # Each layer's keys then values: one array each, or a quantized cache's three each.
+        buffers = [a for layer in cache for buffer in (layer.keys, layer.values) for a in kv_arrays(buffer)]
         if rows == 1:
             position = self.positions[offsets[0] : offsets[0] + 1]  # a view: no host data for the kernels to read
             return (self._compiled or self._forward)(tokens, position, *buffers)
@@ -152,11 +161,25 @@ class KernelStep:
     def _forward(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> mx.array:
         # As in the plain step (models/transformer.py): a float32 residual stream, sublayers' values in the compute type.
         x = self.embed(tokens).astype(mx.float32).reshape(-1)
-        for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
-            x = self._layer(x, layer, position, keys, values)
+        for layer, arrays in zip(self.layers, self._cache_arrays(buffers)):
+            x = self._layer(x, layer, position, arrays)
         return self._head(x).reshape(1, -1)
 
-    def _layer(self, x: mx.array, layer: dict, position: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+    def _cache_arrays(self, buffers: tuple[mx.array, ...]) -> list[dict[str, mx.array]]:
+        """Each layer's cache arrays by the kernels' names (kernels.CACHE), from _launch's flat list;
+        a plain cache has no scales or biases, and the kernels read none (eps stands in their place)."""
+        per_layer = len(buffers) // len(self.layers)
+        layers = []
+        for i in range(0, len(buffers), per_layer):
+            arrays = buffers[i : i + per_layer]
+            if per_layer == 2:
+                arrays = (arrays[0], arrays[1]) + (self.eps,) * 4
+            else:  # keys, key scales, key biases, values, value scales, value biases
+                arrays = (arrays[0], arrays[3], arrays[1], arrays[2], arrays[4], arrays[5])
+            layers.append(dict(zip(kernels.CACHE, arrays)))
+        return layers
+
+    def _layer(self, x: mx.array, layer: dict, position: mx.array, cache: dict[str, mx.array]) -> mx.array:
         """The layer's output for input x (float32); the new key and value go into the cache's buffers in place.
 
         In place, because the alternative, mx.slice_update, copied the whole buffer every step (MLX
@@ -166,26 +189,24 @@ class KernelStep:
         The layers' launches share `self.sync` (the barrier's count) and `self.scratch` (what the
         kernel's steps hand on) and never overlap: each takes the previous one's output.
         """
-        template = self._layer_template(layer) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", self.max_runs)]
-        inputs = self._layer_inputs(layer, x=x, position=position, keys=keys, values=values, scratch=self.scratch)
+        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", self.max_runs)]
+        inputs = self._layer_inputs(layer, x=x, position=position, scratch=self.scratch, **cache)
         return self._launch_layer("layer_kernel", kernels.LAYER_PARAMETERS, template, inputs,
                                   kernels.layer_shared_floats(self.config), batch=False)
 
     def _batch_forward(self, tokens: mx.array, positions: mx.array, *buffers: mx.array) -> mx.array:
         x = self.embed(tokens).astype(mx.float32).reshape(tokens.shape[0], -1)
-        for layer, keys, values in zip(self.layers, buffers[::2], buffers[1::2]):
-            x = self._batch_layer(x, layer, positions, keys, values)
+        for layer, arrays in zip(self.layers, self._cache_arrays(buffers)):
+            x = self._batch_layer(x, layer, positions, arrays)
         # The head as the plain step computes it (Transformer.head): for several rows MLX's own
         # quantized product reads the head's weights once for all of them.
         return self.head_linear(self.head_norm(x)).astype(mx.float32)
 
-    def _batch_layer(self, x: mx.array, layer: dict, positions: mx.array, keys: mx.array,
-                     values: mx.array) -> mx.array:
+    def _batch_layer(self, x: mx.array, layer: dict, positions: mx.array, cache: dict[str, mx.array]) -> mx.array:
         """_layer for x [rows, hidden], through batch_layer_kernel with enough 8-sequence tiles for the rows."""
         tiles = -(-x.shape[0] // SEQ_TILE)
-        template = [("NT", tiles)] + self._layer_template(layer) + [("MAX_RUNS", self._batch_max_runs(tiles))]
-        inputs = self._layer_inputs(layer, x=x, position=positions, keys=keys, values=values,
-                                    scratch=self._batch_scratch[tiles])
+        template = [("NT", tiles)] + self._layer_template(layer, cache) + [("MAX_RUNS", self._batch_max_runs(tiles))]
+        inputs = self._layer_inputs(layer, x=x, position=positions, scratch=self._batch_scratch[tiles], **cache)
         return self._launch_layer("batch_layer_kernel", kernels.BATCH_LAYER_PARAMETERS, template, inputs,
                                   kernels.batch_shared_floats(self.config, tiles), batch=True)
 
@@ -197,19 +218,25 @@ class KernelStep:
                       grid=(LAYER_THREADS * self.blocks, 1, 1), threadgroup=(LAYER_THREADS, 1, 1),
                       output_shapes=[x.shape], output_dtypes=[mx.float32])[0]
 
-    def _layer_template(self, layer: dict) -> list[tuple[str, object]]:
-        """The template arguments both layer kernels take (kernels.LAYER_TEMPLATE), by name."""
+    def _layer_template(self, layer: dict, cache: dict[str, mx.array]) -> list[tuple[str, object]]:
+        """The template arguments both layer kernels take (kernels.LAYER_TEMPLATE), by name; a
+        quantized cache's bits and group size are those its arrays' shapes say."""
         c = self.config
         q, k, v, o, gate, up, down = (layer[n] for n in ("q", "k", "v", "o", "gate", "up", "down"))
         values = dict(BIAS=q.bias is not None, HEADS=c.n_heads, KV_HEADS=c.n_kv_heads, HEAD_DIM=c.head_dim,
-                      ROPE_DIM=c.rope_dim, TRADITIONAL=c.rope_traditional, HIDDEN=q.cols, FFN=gate.rows)
+                      ROPE_DIM=c.rope_dim, TRADITIONAL=c.rope_traditional, HIDDEN=q.cols, FFN=gate.rows,
+                      KEY_BITS=0, VALUE_BITS=0, KV_GROUP=0)
+        if cache["keys"].dtype == mx.uint32:
+            values.update(KEY_BITS=cache["keys"].shape[-1] * 32 // c.head_dim,
+                          VALUE_BITS=cache["values"].shape[-1] * 32 // c.head_dim,
+                          KV_GROUP=c.head_dim // cache["key_scales"].shape[-1])
         for name, p in (("Q", q), ("K", k), ("V", v), ("O", o), ("GATE", gate), ("UP", up), ("DOWN", down)):
             values[f"{name}_BITS"], values[f"{name}_BIASES"] = p.bits, p.stored_biases
         return [(name, values[name]) for name in kernels.LAYER_TEMPLATE]
 
     def _layer_inputs(self, layer: dict, **given: mx.array) -> dict[str, mx.array]:
         """Every input of the layer kernels by name: the layer's weights and the step's constants,
-        with `given` (x, position, keys, values, scratch)."""
+        with `given` (x, position, scratch and the cache's arrays)."""
         inputs = dict(attn_norm=layer["attn_norm"], eps=self.eps, inv_freq=self.inv_freq,
                       attn_factor=self.attn_factor, ffn_norm=layer["ffn_norm"], sync=self.sync, **given)
         for name in ("q", "k", "v", "o", "gate", "up", "down"):

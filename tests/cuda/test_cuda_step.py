@@ -17,6 +17,7 @@ import pytest
 import mlxllama
 from mlxllama import synthetic
 from mlxllama.batching import Request, batch_generate
+from mlxllama.cache import KVQuantization, kv_map
 from mlxllama.cuda import KernelStep, kernels
 from mlxllama.generate import prefill
 from mlxllama.prompt import Template, build_prompt, messages_for
@@ -67,29 +68,102 @@ def test_kernel_step_over_many_runs_of_slots(blocks, length):
     assert_steps_match(runtime.model, step, ids)
 
 
-@on_cuda
-def test_kernel_step_with_two_head_groups_a_kv_head(tmp_path):
-    """TinyLlama's layout (32 heads over 4 KV heads: 8 a KV head, taken 4 at a time, so two warps
-    read each KV head's slots of a run) at 2,000 cached slots, through the kernels and the plain
-    step (random weights: a head group attending to another KV head's values would give other outputs)."""
-    path = tmp_path / "tinyllama.gguf"
+@pytest.fixture(scope="module")
+def tinyllama(tmp_path_factory):
+    """A random-weight file of TinyLlama's layout (32 heads over 4 KV heads of 64 dims), loaded once."""
+    path = tmp_path_factory.mktemp("tinyllama") / "tinyllama.gguf"
     synthetic.write(path, context=4096)
-    runtime = mlxllama.load(path)
-    assert kernels.query_heads(runtime.config) == 4
-    ids = np.random.default_rng(1).integers(3, runtime.config.vocab_size, 2000).tolist()
+    return mlxllama.load(path)
+
+
+@on_cuda
+def test_kernel_step_with_two_head_groups_a_kv_head(tinyllama):
+    """TinyLlama's layout (8 query heads a KV head, taken 4 at a time, so two warps read each KV
+    head's slots of a run) at 2,000 cached slots, through the kernels and the plain step (random
+    weights: a head group attending to another KV head's values would give other outputs)."""
+    assert kernels.query_heads(tinyllama.config) == 4
+    ids = np.random.default_rng(1).integers(3, tinyllama.config.vocab_size, 2000).tolist()
+    assert_steps_match(tinyllama.model, tinyllama.model.decode_step, ids)
+
+
+@on_cuda
+@pytest.mark.parametrize("length", [70, 300])
+def test_kernel_step_over_a_quantized_cache(length):
+    """chat-tiny with 8-bit keys and values (heads of 32: one group a head), attention in one run
+    and in many, the new slot quantized by the kernel (fed to attention and stored as mx.quantize would)."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=KVQuantization(8))
+    ids = np.random.default_rng(2).integers(3, runtime.config.vocab_size, length).tolist()
     assert_steps_match(runtime.model, runtime.model.decode_step, ids)
 
 
+@on_cuda
+@pytest.mark.parametrize("bits,key_bits", [(8, None), (4, None), (4, 8)])
+def test_kernel_step_over_a_quantized_cache_of_two_groups_a_head(tinyllama, bits, key_bits):
+    """TinyLlama's layout at 2,000 slots with keys and values quantized in groups of 32 (two a
+    head): 8-bit, 4-bit, and 8-bit keys with 4-bit values (--kv-key-bits)."""
+    model = tinyllama.model
+    model.store_kv_quantized(KVQuantization(bits, key_bits=key_bits))
+    try:
+        assert model.kv_quantization.group_size == 32
+        ids = np.random.default_rng(3).integers(3, tinyllama.config.vocab_size, 2000).tolist()
+        assert_steps_match(model, model.decode_step, ids)
+    finally:
+        model.store_kv_quantized(None)
+
+
+@on_cuda
+def test_kernel_step_past_the_quantized_start():
+    """--quantized-kv-start: the kernels decode the plain cache, the plain step quantizes it at the
+    step that passes the start, and the kernels decode the quantized cache after; the logits follow
+    the plain step's throughout."""
+    prompt = len(PROMPT)
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"),
+                            kv_quantization=KVQuantization(8, start=prompt + 3))
+    model, kernel_step = runtime.model, runtime.model.decode_step
+    fell_back = []
+    reference = kernel_step.fallback
+
+    def counted(tokens, cache):
+        fell_back.append(cache[0].offset)
+        return reference(tokens, cache)
+
+    caches = model.make_cache(), model.make_cache()
+    for cache in caches:
+        model(mx.array([PROMPT]), cache)
+    token = mx.array([[PROMPT[-1]]])
+    kernel_step.fallback = counted
+    try:
+        for _ in range(8):
+            got = np.array(kernel_step(token, caches[0])[0])
+            want = np.array(reference(token, caches[1])[0])
+            assert np.argmax(got) == np.argmax(want)
+            np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+            token = mx.array([[int(np.argmax(want))]])
+    finally:
+        kernel_step.fallback = reference
+    assert fell_back == [prompt + 3] and caches[0][0].quantized
+
+
 def assert_steps_match(model, kernel_step, ids: list[int]):
-    """STEPS greedy steps after `ids` through kernel_step and through the plain step, side by side."""
+    """STEPS greedy steps after `ids` through kernel_step (which must not fall back to the plain
+    step) and through the plain step, side by side."""
+    reference = kernel_step.fallback
+
+    def fell_back(tokens, cache):
+        raise AssertionError(f"the kernel step fell back to the plain step at offset {cache[0].offset}")
+
     caches = model.make_cache(), model.make_cache()
     for cache in caches:
         model(mx.array([ids]), cache)
     token = mx.array([[ids[-1]]])
     kls = []
     for step in range(STEPS):
-        got = np.array(kernel_step(token, caches[0])[0])
-        want = np.array(kernel_step.fallback(token, caches[1])[0])
+        kernel_step.fallback = fell_back
+        try:
+            got = np.array(kernel_step(token, caches[0])[0])
+        finally:
+            kernel_step.fallback = reference
+        want = np.array(reference(token, caches[1])[0])
         assert caches[0][0].offset == caches[1][0].offset == len(ids) + step + 1
         p, q = softmax(want.astype(np.float64)), softmax(got.astype(np.float64))
         kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
@@ -100,23 +174,37 @@ def assert_steps_match(model, kernel_step, ids: list[int]):
     filled = len(ids) + STEPS
     for layer_a, layer_b in zip(*caches):
         for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
-            a, b = np.array(a[..., :filled, :], np.float32), np.array(b[..., :filled, :], np.float32)
-            np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
+            assert_cached_alike(kv_map(lambda x: x[..., :filled, :], a), kv_map(lambda x: x[..., :filled, :], b),
+                                model.kv_quantization)
+
+
+def assert_cached_alike(got, want, quantization: KVQuantization | None):
+    """Cached keys or values alike: within float16 rounding, or for a quantized cache within one
+    code step (the kernels quantize values computed in float32, the plain step in float16)."""
+    code_step = 0.0
+    if isinstance(want, tuple):
+        head_dim = want[1].shape[-1] * quantization.group_size
+        bits = want[0].shape[-1] * 32 // head_dim
+        code_step = float(mx.max(mx.abs(want[1])))  # the largest scale
+        got, want = (mx.dequantize(*b, group_size=quantization.group_size, bits=bits) for b in (got, want))
+    got, want = np.array(got, np.float32), np.array(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max() + 1e-3 + 1.01 * code_step)
 
 
 # Models for the batched kernel: 4-bit with stored biases and Q6_K layers (8-bit, none stored),
 # 5-bit (the generic unpacking), NeoX RoPE with Q/K/V biases and a tied head, head dims 32 and 64;
 # row counts that fill one tile of 8 sequences, part of one, and part of two.
-BATCHED = [("chat-tiny-Q4_K_M.gguf", 3), ("chat-tiny-Q4_K_M.gguf", 16), ("phi3-tiny-Q5_K_M.gguf", 8),
-           ("qwen2-tiny-Q8_0.gguf", 11)]
+# With 8-bit keys and values: heads of 32 (one group a head) and 64 (qwen2-tiny, two groups).
+BATCHED = [("chat-tiny-Q4_K_M.gguf", 3, None), ("chat-tiny-Q4_K_M.gguf", 16, None), ("phi3-tiny-Q5_K_M.gguf", 8, None),
+           ("qwen2-tiny-Q8_0.gguf", 11, None), ("chat-tiny-Q4_K_M.gguf", 16, 8), ("qwen2-tiny-Q8_0.gguf", 5, 8)]
 
 
 @on_cuda
-@pytest.mark.parametrize("name,rows", BATCHED)
-def test_batched_kernel_step_matches_the_plain_forward(name, rows):
+@pytest.mark.parametrize("name,rows,kv_bits", BATCHED)
+def test_batched_kernel_step_matches_the_plain_forward(name, rows, kv_bits):
     """Rows of different lengths (a BatchKVCache, as batch decoding has them, one row past 64
     slots) through the batched kernel and through the plain forward pass, side by side."""
-    runtime = mlxllama.load(find_fixture_model(name))
+    runtime = mlxllama.load(find_fixture_model(name), kv_quantization=kv_bits and KVQuantization(kv_bits))
     model, kernel_step = runtime.model, runtime.model.decode_step
     assert kernel_step.takes(rows)
     rng = np.random.default_rng(rows)
@@ -130,6 +218,7 @@ def test_batched_kernel_step_matches_the_plain_forward(name, rows):
         for a, b, row in zip(*caches, single):
             a.add(row)
             b.add(row)
+    assert kernel_step.takes_storage(caches[0][0])
     kls = []
     for step in range(STEPS):
         got = np.array(kernel_step(mx.array(tokens), caches[0]))
@@ -144,8 +233,8 @@ def test_batched_kernel_step_matches_the_plain_forward(name, rows):
     for layer_a, layer_b in zip(*caches):
         for row, length in enumerate(layer_a.lengths):
             for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
-                a, b = np.array(a[row, :, :length], np.float32), np.array(b[row, :, :length], np.float32)
-                np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3)
+                assert_cached_alike(kv_map(lambda x: x[row, :, :length], a), kv_map(lambda x: x[row, :, :length], b),
+                                    model.kv_quantization)
 
 
 @on_cuda
@@ -257,6 +346,33 @@ def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat
         assert 1 <= runs <= kernels.RUNS_LIMIT
         if runs > 1:
             assert seqs * heads // kernels.query_heads(config) * runs <= blocks * kernels.LAYER_THREADS // 32
+
+
+@pytest.mark.parametrize("head_dim,bits,takes", [(32, 8, True), (32, 4, False), (64, 4, True), (64, 8, True),
+                                                 (128, 4, True)])
+def test_kernels_read_caches_quantized_in_whole_bytes_a_lane(chat_tiny_config, head_dim, bits, takes):
+    """A lane reads the values of HEAD_DIM / 32 dims at once: 4-bit values of heads of 32 would be half a byte."""
+    config = replace(chat_tiny_config, head_dim=head_dim)
+    assert kernels.takes_quantized_cache(config, KVQuantization(bits).for_heads(head_dim)) == takes
+
+
+def test_kernel_step_takes_a_quantized_cache_except_where_it_starts_quantizing():
+    """Before --quantized-kv-start the cache is plain and the kernels take it; the step that passes
+    the start goes to the plain step, which quantizes what the cache held; after, the kernels read
+    it quantized. 4-bit values of chat-tiny's heads of 32 go the plain way throughout."""
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=KVQuantization(8, start=5))
+    step = KernelStep(runtime.model, runtime.model.decode_step, blocks=132)
+    cache = runtime.model.make_cache()
+    runtime.model(mx.array([PROMPT[:4]]), cache)
+    assert not cache[0].quantized and step.takes_storage(cache[0])
+    runtime.model(mx.array([PROMPT[4:5]]), cache)
+    assert not cache[0].quantized and not step.takes_storage(cache[0])
+    runtime.model(mx.array([PROMPT[5:6]]), cache)
+    assert cache[0].quantized and step.takes_storage(cache[0])
+    runtime.model.store_kv_quantized(KVQuantization(4))
+    cache = runtime.model.make_cache()
+    runtime.model(mx.array([PROMPT]), cache)
+    assert cache[0].quantized and not step.takes_storage(cache[0])
 
 
 def test_kernel_step_is_off_without_cuda():
