@@ -191,15 +191,14 @@ class KVCache:
         """Whether the buffers hold quantized keys and values once `new` more positions are appended."""
         return self.quantization is not None and self.quantization.applies(self.quantized, self.offset + new)
 
-    def _stored(self, keys: mx.array, values: mx.array, held: int) -> tuple[Buffer, Buffer]:
-        """New keys and values as the buffers will store them once they hold `held` positions:
-        quantized past the quantization's start, when the buffers held so far are quantized too."""
-        q = self.quantization
-        if q is None or not q.applies(self.quantized, held):
+    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+        """New keys and values [batch, kv_heads, new, head_dim] as the buffers will store them once
+        they are appended (stores_quantized), the buffers held so far quantized first when that starts now."""
+        if not self.stores_quantized(keys.shape[2]):
             return keys, values
         if not self.quantized and self.keys is not None:
-            self.keys, self.values = q.encode(self.keys, self.values)
-        return q.encode(keys, values)
+            self.keys, self.values = self.quantization.encode(self.keys, self.values)
+        return self.quantization.encode(keys, values)
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         return causal_mask(length, self.offset, window)
@@ -207,7 +206,7 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
-        keys, values = self._stored(keys, values, self.offset + new)
+        keys, values = self._stored(keys, values)
         if self.keys is None or self.offset + new > capacity(self.keys):
             self._grow(keys, values, new)
         write(self.keys, self.offset, keys)
@@ -297,7 +296,7 @@ class SlidingKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
-        keys, values = self._stored(keys, values, self.offset + new)
+        keys, values = self._stored(keys, values)
         start = self._start_after(new)
         if self.keys is None or start != self._start:
             self._rebuild(start, keys, values, new)
@@ -393,7 +392,7 @@ class RotatingKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
-        keys, values = self._stored(keys, values, self.offset + new)
+        keys, values = self._stored(keys, values)
         start = self._start_after(new)
         if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.keys):
             self._rebuild(start, keys, values, new)
@@ -487,14 +486,13 @@ class BatchKVCache:
         """Whether the rows hold quantized keys and values once `new` more positions are appended to each."""
         return self.quantization is not None and self.quantization.applies(self.quantized, max(self.lengths) + new)
 
-    def _stored(self, keys: mx.array, values: mx.array, end: int) -> tuple[Buffer, Buffer]:
-        """New keys and values as the rows store them once the longest holds `end` positions
-        (KVQuantization.applies), the rows held so far quantized first when that starts now."""
-        q = self.quantization
-        if q is None or not q.applies(self.quantized, end):
+    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+        """New keys and values [batch, kv_heads, new, head_dim] as the rows store them once they are
+        appended (stores_quantized), the rows held so far quantized first when that starts now."""
+        if not self.stores_quantized(keys.shape[2]):
             return keys, values
         self._quantize()
-        return q.encode(keys, values)
+        return self.quantization.encode(keys, values)
 
     def _joined(self, keys: Buffer, values: Buffer, quantized: bool) -> tuple[Buffer, Buffer]:
         """A joining row's keys and values as the rows store them: once either has passed the
@@ -525,7 +523,7 @@ class BatchKVCache:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
-        keys, values = self._stored(keys, values, end)
+        keys, values = self._stored(keys, values)
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
         self.make_room(new)
@@ -676,7 +674,7 @@ class RingKVCache(BatchKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         batch, _, new, _ = keys.shape
         self._check_length(new)
-        keys, values = self._stored(keys, values, max(self.lengths) + new)
+        keys, values = self._stored(keys, values)
         positions = np.array(self.lengths)[:, None] + np.arange(new)[None, :]
         slots = mx.array(self._slot(positions)).reshape(batch, 1, new, 1)
         self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)

@@ -173,22 +173,21 @@ def assert_steps_match(model, kernel_step, ids: list[int]):
     # The kernels wrote the same keys and values into the cache as the plain step.
     filled = len(ids) + STEPS
     for layer_a, layer_b in zip(*caches):
-        for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
-            assert_cached_alike(kv_map(lambda x: x[..., :filled, :], a), kv_map(lambda x: x[..., :filled, :], b),
-                                model.kv_quantization)
+        assert_cached_alike(*((kv_map(lambda x: x[..., :filled, :], layer.keys),
+                               kv_map(lambda x: x[..., :filled, :], layer.values)) for layer in (layer_a, layer_b)),
+                            model.kv_quantization)
 
 
-def assert_cached_alike(got, want, quantization: KVQuantization | None):
-    """Cached keys or values alike: within float16 rounding, or for a quantized cache within one
+def assert_cached_alike(got: tuple, want: tuple, quantization: KVQuantization | None):
+    """Cached (keys, values) alike: within float16 rounding, or for a quantized cache within one
     code step (the kernels quantize values computed in float32, the plain step in float16)."""
-    code_step = 0.0
-    if isinstance(want, tuple):
-        head_dim = want[1].shape[-1] * quantization.group_size
-        bits = want[0].shape[-1] * 32 // head_dim
-        code_step = float(mx.max(mx.abs(want[1])))  # the largest scale
-        got, want = (mx.dequantize(*b, group_size=quantization.group_size, bits=bits) for b in (got, want))
-    got, want = np.array(got, np.float32), np.array(want, np.float32)
-    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max() + 1e-3 + 1.01 * code_step)
+    code_steps = (0.0, 0.0)
+    if quantization is not None and isinstance(want[0], tuple):
+        code_steps = tuple(float(mx.max(mx.abs(scales))) for _, scales, _ in want)  # the largest scale
+        got, want = quantization.decode(*got), quantization.decode(*want)
+    for a, b, code_step in zip(got, want, code_steps):
+        a, b = np.array(a, np.float32), np.array(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=0.02 * np.abs(b).max() + 1e-3 + 1.01 * code_step)
 
 
 # Models for the batched kernel: 4-bit with stored biases and Q6_K layers (8-bit, none stored),
@@ -232,9 +231,9 @@ def test_batched_kernel_step_matches_the_plain_forward(name, rows, kv_bits):
     assert np.mean(kls) < MAX_KL, kls
     for layer_a, layer_b in zip(*caches):
         for row, length in enumerate(layer_a.lengths):
-            for a, b in ((layer_a.keys, layer_b.keys), (layer_a.values, layer_b.values)):
-                assert_cached_alike(kv_map(lambda x: x[row, :, :length], a), kv_map(lambda x: x[row, :, :length], b),
-                                    model.kv_quantization)
+            assert_cached_alike(*((kv_map(lambda x: x[row, :, :length], layer.keys),
+                                   kv_map(lambda x: x[row, :, :length], layer.values)) for layer in (layer_a, layer_b)),
+                                model.kv_quantization)
 
 
 @on_cuda
