@@ -69,7 +69,7 @@ def storing(way: str):
     the values, and the keys of 'head' and '8' (--kv-key-bits 8), through the cache's own
     KVQuantization."""
 
-    def stored(cache: KVCache, keys: mx.array, values: mx.array, held: int):
+    def stored(cache: KVCache, keys: mx.array, values: mx.array):
         quantization = replace(cache.quantization, key_bits=8) if way == "8" else cache.quantization
         stored_keys, stored_values = quantization.decode(*quantization.encode(keys, values))
         if way == "full":
