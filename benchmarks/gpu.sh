@@ -26,7 +26,8 @@
 #   bash benchmarks/gpu.sh speculative [MODEL]    # there: tg128 with and without prompt lookup (bench --lookup), on
 #                                                 # MODEL (default the TinyLlama-shape file; "gemma" for Gemma 3 270M),
 #                                                 # then one copy request at a time through mlxllama serve and llama-server,
-#                                                 # each without and with prompt lookup (benchmarks/speculative_serve.py);
+#                                                 # each without and with prompt lookup (benchmarks/speculative_serve.py),
+#                                                 # and ours with the reply as its prediction (every draft right);
 #                                                 # "speculative gemma served": the servers only
 #   bash benchmarks/gpu.sh models                 # there: MoE prefill by expert order (benchmarks/moe_prefill.py), then
 #                                                 # pp512/tg128 at depth 0 and 4096 of the Qwen3-0.6B-shape file and of Gemma 3
@@ -316,6 +317,12 @@ print(r['mode'], [(t['name'], round(t['tokens_per_second'], 1), round(t['stdev']
     timeout 120 python3 $spec --label "mlxllama serve" --json "$out/serve-plain$tag.json"
     timeout 120 python3 $spec --label "mlxllama serve, lookup 3, K 5" --extra '{"lookup": 3, "draft_tokens": 5}' \
         --json "$out/serve-lookup$tag.json"
+    # Predicted Outputs with the reply itself as the prediction (an edit that changes nothing): every
+    # draft right, what a check of K + 1 positions buys at best.
+    local predicted
+    predicted=$(python3 -c "import json; text = json.load(open('$out/serve-plain$tag.json'))['runs'][0]['text']
+print(json.dumps({'prediction': {'type': 'content', 'content': text}, 'draft_tokens': 7}))")
+    timeout 120 python3 $spec --label "mlxllama serve, prediction, K 7" --extra "$predicted" --json "$out/serve-prediction$tag.json"
     kill $pid; wait $pid 2> /dev/null
     llama_cpp_built || return
     local name flags

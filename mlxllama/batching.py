@@ -32,7 +32,7 @@ from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
 from .models import Transformer
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
-from .speculative import Chooser, Drafting, verify
+from .speculative import Backoff, Chooser, Drafting, verify
 from .tokenizer import Tokenizer
 
 
@@ -86,6 +86,7 @@ class Row:
         # a draft model's cache is bounded as the row's own is.
         self.drafter = request.drafting.drafter(max_kv_size, keep) if request.drafting is not None else None
         self.chooser = Chooser(request.params) if request.drafting is not None else None
+        self.backoff = Backoff()
         self.drafted = self.accepted = 0
         self.guide = Guide(request.constraint, tokenizer) if request.constraint is not None else None
         self.context = list(request.ids)  # what the repeat penalty looks back on
@@ -139,9 +140,29 @@ class Row:
 
     def propose(self) -> tuple[list[int], list]:
         """Drafts to check after the row's last id, and the drafter's distribution at each (none
-        without speculation, or with no room left)."""
+        without speculation, with no room left, or while the drafter rests: speculative.Backoff)."""
         room = min(self.request.drafting.k, self.max_tokens - len(self.ids)) if self.drafter is not None else 0
-        return self.drafter.propose(self.context, room, self.chooser, self.guide) if room > 0 else ([], [])
+        if room <= 0 or self.rested():
+            return [], []
+        drafts, qs = self.drafter.propose(self.context, room, self.chooser, self.guide)
+        self.backoff.proposed(drafts)
+        self.rested()  # this step is the rest's first
+        return drafts, qs
+
+    def rested(self) -> bool:
+        """Whether the row's drafter rests this step (counted down)."""
+        if self.drafter is None or self.backoff.rest == 0:
+            return False
+        self.backoff.rest -= 1
+        return True
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether the row's next token may be chosen on the device and read a step later (BatchDecoder's
+        pipelined step): no constraint or log-probabilities, and no drafts to check unless its drafter
+        rests and its choice is a plain argmax, as the sampler's."""
+        return (self.guide is None and self.request.logprobs is None
+                and (self.drafter is None or self.backoff.rest > 0 and self.request.params.plain_greedy))
 
     def take_text(self) -> str:
         text, self.new_text = self.new_text, ""
@@ -392,14 +413,15 @@ class BatchDecoder:
         return finished + self._leave(done)
 
     def _pipelines(self) -> bool:
-        return self.model.shard is None and not any(
-            row.guide is not None or row.drafter is not None or row.request.logprobs is not None for row in self.rows)
+        return self.model.shard is None and all(row.pipelines for row in self.rows)
 
     def _pipelined_step(self) -> list[bool]:
         """Feed each row its next input (the previous step's token, unread, or its last id), queue
         the sampling of the token after it, then read the inputs: whether each row finished."""
         inputs = self.inputs if self.inputs is not None else mx.array([row.last_id for row in self.rows])
         logits = self.model.step(inputs[:, None], self.cache)
+        for row in self.rows:
+            row.rested()
         # The repeat penalty sees a fed token the host has not read yet as `pending`.
         self.inputs = mx.stack([row.sampler(logits[i], row.context, inputs[i] if self.unread[i] else None)
                                 for i, row in enumerate(self.rows)])
@@ -460,7 +482,7 @@ class BatchDecoder:
         tokens = [[row.last_id] + drafts + [row.last_id] * (width - 1 - len(drafts))
                   for row, (drafts, _) in zip(self.rows, proposals)]
         before = list(self.cache[0].lengths)
-        logits = self.model(mx.array(tokens), self.cache)
+        logits = self.model.check_drafts(mx.array(tokens), self.cache)
         done, lengths = [], []
         for i, (row, (drafts, qs)) in enumerate(zip(self.rows, proposals)):
             if row.drafter is None:

@@ -68,6 +68,12 @@ class SamplingParams:
             isinstance(pair, tuple) and len(pair) == 2 and integer(pair[0]) and pair[0] >= 0 and number(pair[1])
             and -100 <= pair[1] <= 100 for pair in self.logit_bias), "(token id, bias in [-100, 100]) pairs")
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no logits processor: each pick is the argmax of the model's logits alone."""
+        return (self.temperature <= 0 and (self.repeat_penalty == 1.0 or self.repeat_last_n == 0)
+                and not self.presence_penalty and not self.frequency_penalty and not self.logit_bias)
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

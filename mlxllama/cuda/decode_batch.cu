@@ -287,7 +287,9 @@ __device__ void residual_tiles(const uint32_t* w, const S* scales, const S* bias
 }
 
 // One layer of NT * 8 sequences' decode step (the first `seqs` real), y [seqs][HIDDEN] = the
-// layer's output for x [seqs][HIDDEN] (float32), each sequence at its own position. The steps are
+// layer's output for x [seqs][HIDDEN] (float32), each sequence at its own position in its own row
+// of the cache, cache_rows[s] (a check of drafts gives one row several sequences, at consecutive
+// positions: each attends to the slots the ones before it write in step 1). The steps are
 // layer_kernel's; each projection is cut into tiles of 16 rows, one a block at a time, and the
 // block's warps split a tile's columns (tile_dot), then sum their parts in shared memory:
 //   1. RMSNorm, Q/K/V, RoPE; q, and the new key and value into the cache buffers in place. A Q/K/V
@@ -305,7 +307,8 @@ template <int NT, int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BI
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
           int KEY_BITS, int VALUE_BITS, int KV_GROUP, int MAX_RUNS, typename N, typename S, typename B, typename C,
           typename KS>
-__device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm, const float* eps,
+__device__ void batch_layer_kernel(const float* x, int seqs, const int32_t* cache_rows, const N* attn_norm,
+                                   const float* eps,
                                    const uint32_t* w_q, const S* s_q, const S* b_q, const uint32_t* w_k,
                                    const S* s_k, const S* b_k, const uint32_t* w_v, const S* s_v, const S* b_v,
                                    const B* bias_q, const B* bias_k, const B* bias_v, const int32_t* positions,
@@ -323,7 +326,7 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const N* attn_norm,
   __half* act = reinterpret_cast<__half*>(h + SEQS * HIDDEN);
   const LayerCache<KV_HEADS, HEAD_DIM, KEY_BITS, VALUE_BITS, KV_GROUP, C, KS> cache{
       keys, values, key_scales, key_biases, value_scales, value_biases, capacity,
-      reinterpret_cast<float*>(act + SEQS * FFN)};
+      reinterpret_cast<float*>(act + SEQS * FFN), cache_rows};
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
   unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
   // Shared memory: the warps' fragments (two matrices' worth), then the staged inputs and their group sums.

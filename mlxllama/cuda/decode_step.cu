@@ -786,7 +786,9 @@ __device__ void attention_run(const float* q, const float* q_sums, Slots slots, 
 //   different warps compute, so step 1 leaves the new key and value in `fresh` (floats rounded to
 //   the cache's type, [seqs][2][KV_HEADS][HEAD_DIM]); in step 2 a warp a group writes the slot
 //   (store_fresh) while attention takes it from `fresh`, quantized the same way.
-// Slot p holds position p (step.py sends other caches to the plain step).
+// Slot p holds position p (step.py sends other caches to the plain step). Sequence s of a launch
+// is row rows[s] of the cache (rows null: row s): a check of drafted tokens gives several positions
+// of one row, whose new slots step 1 writes before the barrier that attention waits behind.
 template <int KV_HEADS, int HEAD_DIM, int KEY_BITS, int VALUE_BITS, int KV_GROUP, typename C, typename KS>
 struct LayerCache {
   static constexpr bool quantized = KEY_BITS > 0;
@@ -799,10 +801,12 @@ struct LayerCache {
   const KS* value_biases;
   int capacity;
   float* fresh;
+  const int32_t* rows;
 
   // The row of `keys` (and of values, scales, biases) holding slot 0 of a sequence's KV head.
   __device__ size_t head_row(int seq, int kv_head) const {
-    return (static_cast<size_t>(seq) * KV_HEADS + kv_head) * capacity;
+    const int row = rows == nullptr ? seq : rows[seq];
+    return (static_cast<size_t>(row) * KV_HEADS + kv_head) * capacity;
   }
 
   __device__ float* fresh_of(int seq, int part, int kv_head) const {
@@ -1072,7 +1076,7 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   float* gate = h + HIDDEN;
   float* up = gate + FFN;
   const LayerCache<KV_HEADS, HEAD_DIM, KEY_BITS, VALUE_BITS, KV_GROUP, C, KS> cache{
-      keys, values, key_scales, key_biases, value_scales, value_biases, capacity, up + FFN};
+      keys, values, key_scales, key_biases, value_scales, value_biases, capacity, up + FFN, nullptr};
   float* smem = shared_floats();
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
   unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;

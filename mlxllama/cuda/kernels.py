@@ -62,7 +62,7 @@ _ATTENTION = ("attn_norm", "eps", "w_q", "s_q", "b_q", "w_k", "s_k", "b_k", "w_v
 _FEED_FORWARD = ("w_o", "s_o", "b_o", "ffn_norm", "w_gate", "s_gate", "b_gate", "w_up", "s_up", "b_up", "w_down",
                  "s_down", "b_down", "sync", "scratch", "y")
 LAYER_PARAMETERS = ("x", *_ATTENTION, *_FEED_FORWARD)  # decode_step.cu's layer_kernel
-BATCH_LAYER_PARAMETERS = ("x", ROWS, *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
+BATCH_LAYER_PARAMETERS = ("x", ROWS, "cache_rows", *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
 HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "scales", "biases", "ROWS", "y")  # decode_step.cu's head_kernel
 # Template parameters both layer kernels take, in their order (batch_layer_kernel has NT first, and
 # layer_kernel FFN_ROWS before MAX_RUNS). KEY_BITS, VALUE_BITS and KV_GROUP describe a quantized

@@ -64,7 +64,9 @@ def _projections(block: nn.Module, fused: str, sizes: list[int]) -> list[Project
 
 class KernelStep:
     """The model's decode step through the kernels (model.decode_step): one token of each of 1 to
-    MAX_BATCH sequences, tokens [rows, 1] -> logits [rows, vocab] (float32).
+    MAX_BATCH sequences, tokens [rows, 1] -> logits [rows, vocab] (float32); and speculative
+    decoding's check, a few tokens of each row, tokens [rows, n] -> logits [rows, n, vocab], through
+    the batch kernel with each (row, position) one of its sequences (check_drafts).
 
     Each layer's new keys and values are written into the cache's buffers in place (a KVCache's
     rows all at its offset, a BatchKVCache's each at its own length), then the cache advances.
@@ -106,6 +108,7 @@ class KernelStep:
         self.inv_freq = _on_device(c.rope_scale / rope_periods(c))
         self.attn_factor = _on_device(mx.array([c.rope_attn_factor] * 4, mx.float32))
         self.positions = _on_device(mx.arange(c.context_length, dtype=mx.int32))
+        self.cache_rows = _on_device(mx.arange(MAX_BATCH, dtype=mx.int32))
         mx.eval([p.arrays() for layer in self.layers for p in layer.values() if isinstance(p, Projection)])
         uncompiled = os.environ.get(ENV_SWITCH) == "uncompiled"
         self._compiled = None if uncompiled else _compiled(self, "_forward")
@@ -122,13 +125,32 @@ class KernelStep:
             return self.fallback(tokens, cache)
         for layer in cache:
             layer.make_room(1)
-        logits = self._launch(tokens, cache)
+        return self._written(self._launch(tokens, cache), cache, 1)
+
+    def check_drafts(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        """tokens [rows, n] after what each row of the cache holds -> logits [rows, n, vocab], as the
+        model's forward pass gives them (Transformer.check_drafts). The n positions of a row are n
+        sequences of the batch kernel that share the row's cache, so up to MAX_BATCH of them in all.
+        Not over a quantized cache: there step 2 writes each new slot while the others' attention
+        would read it."""
+        rows, n = tokens.shape
+        if n == 1:
+            return self(tokens, cache)[:, None]
+        if (cache[0].keys is None or not self.batches or rows * n > MAX_BATCH or rotates(cache)
+                or cache[0].quantized or cache[0].stores_quantized(n)):
+            return self.fallback.check_drafts(tokens, cache)
+        for layer in cache:
+            layer.make_room(n)
+        return self._written(self._launch(tokens, cache), cache, n).reshape(rows, n, -1)
+
+    def _written(self, logits: mx.array, cache: list[KVCache] | list[BatchKVCache], new: int) -> mx.array:
+        """The launch's logits, queued, with the cache advanced past the `new` positions it wrote."""
         # The kernels write the cache in place, which MLX's graph does not see: they run only once
         # their output is evaluated. Queued now, so that a caller who has no use for the logits (a
         # prompt's rest fed a token a step, the last id of a reply) still finds its cache written.
         mx.async_eval(logits)
         for layer in cache:
-            layer.advance(1)
+            layer.advance(new)
         return logits
 
     def takes_storage(self, layer: KVCache | BatchKVCache) -> bool:
@@ -141,22 +163,28 @@ class KernelStep:
         return not layer.quantized or kernels.takes_quantized_cache(self.config, layer.quantization)
 
     def _launch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
-        rows = tokens.shape[0]
+        """Logits [rows * n, vocab] of tokens [rows, n], the n consecutive new tokens of each row."""
+        rows, n = tokens.shape
         offsets = cache[0].lengths if isinstance(cache[0], BatchKVCache) else [cache[0].offset] * rows
-        if max(offsets) >= self.positions.size:
-            self.positions = _on_device(mx.arange(2 * max(offsets), dtype=mx.int32))
+        if max(offsets) + n > self.positions.size:
+            self.positions = _on_device(mx.arange(2 * (max(offsets) + n), dtype=mx.int32))
         # Each layer's keys then values: one array each, or a quantized cache's three each.
         buffers = [a for layer in cache for buffer in (layer.keys, layer.values) for a in kv_arrays(buffer)]
-        if rows == 1:
+        if rows * n == 1:
             position = self.positions[offsets[0] : offsets[0] + 1]  # a view: no host data for the kernels to read
             return (self._compiled or self._forward)(tokens, position, *buffers)
-        # A gather from the device's positions: the kernels read them once a layer, host data every time across the bus.
-        positions = self.positions[mx.array(offsets, mx.int32)]
-        tiles = -(-rows // SEQ_TILE)
+        # Gathers from the device's positions and rows: the kernels read them once a layer, host data
+        # every time across the bus.
+        if n == 1:
+            positions, cache_rows = self.positions[mx.array(offsets, mx.int32)], self.cache_rows[:rows]
+        else:
+            positions = self.positions[mx.array([o + j for o in offsets for j in range(n)], mx.int32)]
+            cache_rows = self.cache_rows[mx.array([r for r in range(rows) for _ in range(n)], mx.int32)]
+        tiles = -(-rows * n // SEQ_TILE)
         if tiles not in self._batch_scratch:  # made here, not while mx.compile traces _batch_forward
             size = kernels.batch_scratch_floats(self.config, tiles, self._batch_max_runs(tiles))
             self._batch_scratch[tiles] = _on_device(mx.zeros((size,), mx.float32))
-        return (self._compiled_batch or self._batch_forward)(tokens, positions, *buffers)
+        return (self._compiled_batch or self._batch_forward)(tokens.reshape(-1, 1), positions, cache_rows, *buffers)
 
     def _forward(self, tokens: mx.array, position: mx.array, *buffers: mx.array) -> mx.array:
         # As in the plain step (models/transformer.py): a float32 residual stream, sublayers' values in the compute type.
@@ -194,19 +222,23 @@ class KernelStep:
         return self._launch_layer("layer_kernel", kernels.LAYER_PARAMETERS, template, inputs,
                                   kernels.layer_shared_floats(self.config), batch=False)
 
-    def _batch_forward(self, tokens: mx.array, positions: mx.array, *buffers: mx.array) -> mx.array:
+    def _batch_forward(self, tokens: mx.array, positions: mx.array, cache_rows: mx.array,
+                       *buffers: mx.array) -> mx.array:
         x = self.embed(tokens).astype(mx.float32).reshape(tokens.shape[0], -1)
         for layer, arrays in zip(self.layers, self._cache_arrays(buffers)):
-            x = self._batch_layer(x, layer, positions, arrays)
+            x = self._batch_layer(x, layer, positions, cache_rows, arrays)
         # The head as the plain step computes it (Transformer.head): for several rows MLX's own
         # quantized product reads the head's weights once for all of them.
         return self.head_linear(self.head_norm(x)).astype(mx.float32)
 
-    def _batch_layer(self, x: mx.array, layer: dict, positions: mx.array, cache: dict[str, mx.array]) -> mx.array:
-        """_layer for x [rows, hidden], through batch_layer_kernel with enough 8-sequence tiles for the rows."""
+    def _batch_layer(self, x: mx.array, layer: dict, positions: mx.array, cache_rows: mx.array,
+                     cache: dict[str, mx.array]) -> mx.array:
+        """_layer for x [sequences, hidden], through batch_layer_kernel with enough 8-sequence tiles
+        for them, sequence s at positions[s] in row cache_rows[s] of the cache."""
         tiles = -(-x.shape[0] // SEQ_TILE)
         template = [("NT", tiles)] + self._layer_template(layer, cache) + [("MAX_RUNS", self._batch_max_runs(tiles))]
-        inputs = self._layer_inputs(layer, x=x, position=positions, scratch=self._batch_scratch[tiles], **cache)
+        inputs = self._layer_inputs(layer, x=x, position=positions, cache_rows=cache_rows,
+                                    scratch=self._batch_scratch[tiles], **cache)
         return self._launch_layer("batch_layer_kernel", kernels.BATCH_LAYER_PARAMETERS, template, inputs,
                                   kernels.batch_shared_floats(self.config, tiles), batch=True)
 

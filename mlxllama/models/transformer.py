@@ -359,6 +359,12 @@ class Transformer(nn.Module):
         (float32), the same as `self(tokens, cache)[:, -1]`; the cache advances by one position."""
         return self.decode_step(tokens, cache)
 
+    def check_drafts(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        """Speculative decoding's check: tokens [batch, n] (each row's last token and its drafts) after
+        what the cache holds -> logits [batch, n, vocab] (float32), the same as `self(tokens, cache)`
+        up to rounding, through the decode step (a backend's kernels take a few positions a row)."""
+        return self.decode_step.check_drafts(tokens, cache)
+
     def head(self, h: mx.array) -> mx.array:
         """The last layer's hidden states -> logits (float32)."""
         h = self.output_norm(h)
@@ -465,6 +471,9 @@ class DecodeStep(Protocol):
     def takes(self, rows: int) -> bool:
         """Whether this step is the fast way to decode `rows` sequences of one cache at once."""
 
+    def check_drafts(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        """tokens [rows, n] -> logits [rows, n, vocab]; the cache advances by n positions a row."""
+
 
 class PlainStep:
     """The plain MLX decode step: the forward pass over what the cache holds, for any number of rows.
@@ -488,6 +497,9 @@ class PlainStep:
 
     def __call__(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
         return self.model()(tokens, cache)[:, -1]
+
+    def check_drafts(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array:
+        return self.model()(tokens, cache)
 
 
 def rope_freqs(config: ModelConfig) -> mx.array | None:

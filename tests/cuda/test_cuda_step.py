@@ -236,6 +236,100 @@ def test_batched_kernel_step_matches_the_plain_forward(name, rows, kv_bits):
                                 model.kv_quantization)
 
 
+# Speculation's checks: one row of 5 positions after 70 slots (3 runs of slots a head group), 16
+# positions of one row (two tiles) of qwen2-tiny (NeoX RoPE, biases, heads of 64), 3 rows of 5 of a
+# BatchKVCache of rows of different lengths, as the server checks them.
+CHECKS = [("chat-tiny-Q4_K_M.gguf", 1, 5), ("qwen2-tiny-Q8_0.gguf", 1, 16), ("chat-tiny-Q4_K_M.gguf", 3, 5)]
+
+
+@on_cuda
+@pytest.mark.parametrize("name,rows,n", CHECKS)
+def test_kernels_check_drafts_as_the_plain_forward_pass(name, rows, n):
+    """check_drafts through the batch kernel, a row's n positions n sequences sharing its cache:
+    each position's logits and the cached keys and values are the plain forward pass's, the
+    kernels never fall back, and after a rejection (the cache cut back) the next check writes
+    over the dropped slots as the plain pass does."""
+    runtime = mlxllama.load(find_fixture_model(name))
+    model, kernel_step = runtime.model, runtime.model.decode_step
+    reference, vocab = kernel_step.fallback, runtime.config.vocab_size
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(3, vocab, 70 + 9 * i).tolist() for i in range(rows)]
+    if rows == 1:
+        caches = model.make_cache(), model.make_cache()
+        for cache in caches:
+            prefill(model, prompts[0], cache)
+    else:
+        caches = model.make_batch_cache(), model.make_batch_cache()
+        for ids in prompts:
+            single = model.make_cache()
+            prefill(model, ids, single)
+            for a, b, row in zip(*caches, single):
+                a.add(row)
+                b.add(row)
+
+    class NoFallback:
+        def check_drafts(self, tokens, cache):
+            raise AssertionError(f"the kernels' check of {tokens.shape} fell back to the plain step")
+
+    def lengths(cache):
+        return list(cache[0].lengths) if rows > 1 else [cache[0].offset]
+
+    kls = []
+    for check in range(3):
+        tokens = mx.array(rng.integers(3, vocab, (rows, n)))
+        before = lengths(caches[0])
+        kernel_step.fallback = NoFallback()
+        try:
+            got = np.array(kernel_step.check_drafts(tokens, caches[0]))
+        finally:
+            kernel_step.fallback = reference
+        want = np.array(reference.check_drafts(tokens, caches[1]))
+        assert got.shape == want.shape == (rows, n, vocab)
+        assert lengths(caches[0]) == lengths(caches[1]) == [length + n for length in before]
+        for row in range(rows):
+            for position in range(n):
+                p, q = softmax(want[row, position].astype(np.float64)), softmax(got[row, position].astype(np.float64))
+                kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
+                top = np.argmax(got[row, position])
+                assert top == np.argmax(want[row, position]) or np.max(want[row, position]) - want[row, position, top] < 0.05
+        for cache in caches:  # the last n - 2 positions of each row rejected
+            for layer in cache:
+                if rows > 1:
+                    layer.cut_rows([length + 2 for length in before])
+                else:
+                    layer.trim(n - 2)
+    assert np.mean(kls) < MAX_KL, kls
+    for layer_a, layer_b in zip(*caches):
+        for row, length in enumerate(lengths([layer_a])):
+            assert_cached_alike(*((kv_map(lambda x: x[row, :, :length], layer.keys),
+                                   kv_map(lambda x: x[row, :, :length], layer.values)) for layer in (layer_a, layer_b)),
+                                None)
+
+
+@on_cuda
+def test_prompt_lookup_checks_its_drafts_in_the_kernels():
+    """Greedy generation with prompt lookup on CUDA: every check goes through the kernels (none to
+    the plain step) and the ids are plain decoding's, up to a near-tie (a check's batch kernel
+    rounds otherwise than the one-sequence kernel)."""
+    runtime = mlxllama.load(find_fixture_model("qwen2-tiny-Q8_0.gguf"))
+    plain_step = runtime.model.decode_step.fallback
+    ids = runtime.tokenize("Once upon a time")
+    plain = runtime.generate(ids, 120).token_ids
+    fell_back = []
+    plain_step.check_drafts = lambda tokens, cache: (fell_back.append(tokens.shape)
+                                                     or type(plain_step).check_drafts(plain_step, tokens, cache))
+    try:
+        result = runtime.generate(ids, 120, draft=2, draft_tokens=6)
+    finally:
+        del plain_step.check_drafts
+    assert fell_back == [] and result.accepted > 30
+    got = result.token_ids
+    part = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+    if part is not None:
+        row = runtime.logits(ids + plain[:part])[-1]
+        assert abs(row[got[part]] - row[plain[part]]) < 0.08, part
+
+
 @on_cuda
 def test_batch_of_equal_rows_through_the_kernels_and_alone():
     """A KVCache of 9 identical rows (as bench decodes them) gives each row the one-sequence kernel's logits."""
