@@ -35,17 +35,22 @@ def seconds_per_op(op, x: mx.array) -> float:
 
 
 def custom_kernel_ops() -> dict:
-    """A one-line custom kernel, alone and behind a header as long as mlxllama.cuda's."""
+    """A one-line custom kernel, alone, behind headers as long as mlxllama.cuda's (MLX hashes a
+    kernel's whole source at every launch), and with as many inputs as a layer kernel takes."""
     from mlxllama.cuda import kernels
 
-    header = kernels.HEADER
     body = "int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 2048) y[i] = x[i] * static_cast<__half>(1.0001f);"
+    layer_inputs = len(kernels.inputs_of(kernels.LAYER_PARAMETERS))
     rows = {}
-    for label, head in (("", ""), (f", {len(header)}-character header", header)):
-        kernel = mx.fast.cuda_kernel(name="scale" + str(len(head)), input_names=["x"], output_names=["y"],
+    for label, head, extra in (("", "", 0), (f", {len(kernels.HEADER)}-character header", kernels.HEADER, 0),
+                               (f", {len(kernels.BATCH_HEADER)}-character header", kernels.BATCH_HEADER, 0),
+                               (f", {layer_inputs} inputs", "", layer_inputs - 1)):
+        names = ["x"] + [f"unused{i}" for i in range(extra)]
+        kernel = mx.fast.cuda_kernel(name=f"scale{len(head)}_{extra}", input_names=names, output_names=["y"],
                                      source=body, header=head)
-        rows["custom kernel multiply" + label] = lambda y, kernel=kernel: kernel(
-            inputs=[y], grid=(2048, 1, 1), threadgroup=(256, 1, 1), output_shapes=[y.shape], output_dtypes=[y.dtype])[0]
+        rows["custom kernel multiply" + label] = lambda y, kernel=kernel, n=len(names): kernel(
+            inputs=[y] * n, grid=(2048, 1, 1), threadgroup=(256, 1, 1), output_shapes=[y.shape],
+            output_dtypes=[y.dtype])[0]
     return rows
 
 

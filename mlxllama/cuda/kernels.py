@@ -8,6 +8,8 @@ kernel's inputs under their names, and an entry that is not an input is a value 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -85,8 +87,32 @@ def kernel(function: str, parameters: tuple[str, ...], template: tuple[str, ...]
     """The MLX kernel whose body calls `function` with `parameters`, its template arguments named `template`."""
     call = f"{function}<{', '.join(template)}>({', '.join(parameters)});"
     return mx.fast.cuda_kernel(name=function.removesuffix("_kernel"), input_names=list(inputs_of(parameters, outputs)),
-                               output_names=list(outputs), source=call, header=BATCH_HEADER if batch else HEADER,
-                               shared_memory=4 * shared_floats)
+                               output_names=list(outputs), source=call,
+                               header=included(BATCH_HEADER if batch else HEADER), shared_memory=4 * shared_floats)
+
+
+def included(header: str) -> str:
+    """`header` as one #include line of a file named by a hash of its text (written once, in the
+    user's cache), or as it is where no such file can be written.
+
+    Why: MLX hashes a kernel's whole source at every launch. Behind the 36,579-character header a
+    launch cost 24 µs of host time against 10 µs without one (H100, benchmarks/op_cost.py), and
+    a one-sequence step, which the host bounds, launches 23. The file's name changes with its text,
+    so MLX's compiled kernels, which it keys by the source it sees, never outlive the text.
+    """
+    directory = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxllama" / "cuda"
+    path = directory / f"kernels-{hashlib.sha256(header.encode()).hexdigest()[:32]}.cuh"
+    if '"' in str(path) or "\\" in str(path):
+        return header
+    try:
+        if not path.is_file() or path.read_text() != header:
+            directory.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_text(header)
+            os.replace(partial, path)  # whole or not at all, for other processes compiling from it
+    except OSError:
+        return header
+    return f'#include "{path}"\n'
 
 
 def staged_floats(k: int) -> int:

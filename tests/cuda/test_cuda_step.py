@@ -7,7 +7,9 @@ tests/unit/test_generation.py go through the kernels too when they run on CUDA.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import gguf
 import mlx.core as mx
@@ -466,6 +468,28 @@ def test_kernel_step_takes_a_quantized_cache_except_where_it_starts_quantizing()
     cache = runtime.model.make_cache()
     runtime.model(mx.array([PROMPT]), cache)
     assert cache[0].quantized and not step.takes_storage(cache[0])
+
+
+def test_the_header_reaches_mlx_as_one_include_of_a_file_named_by_its_text(tmp_path, monkeypatch):
+    """MLX hashes a kernel's whole source at every launch, so the header goes to it as an #include
+    of a file in the user's cache named by a hash of its text; where no file can be written, the
+    text itself."""
+    def included_file(line: str) -> Path:
+        return Path(re.fullmatch(r'#include "(.*)"\n', line).group(1))
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    line = kernels.included(kernels.HEADER)
+    path = included_file(line)
+    assert path.parent == tmp_path / "mlxllama" / "cuda" and path.read_text() == kernels.HEADER
+    assert kernels.included(kernels.HEADER) == line
+    batch = included_file(kernels.included(kernels.BATCH_HEADER))
+    assert batch != path and batch.read_text() == kernels.BATCH_HEADER
+    path.write_text("changed behind the cache's back")
+    assert kernels.included(kernels.HEADER) == line and path.read_text() == kernels.HEADER
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # a file where the directory should be
+    assert kernels.included(kernels.HEADER) == kernels.HEADER
 
 
 def test_kernel_step_is_off_without_cuda():
