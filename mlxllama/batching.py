@@ -142,19 +142,12 @@ class Row:
         """Drafts to check after the row's last id, and the drafter's distribution at each (none
         without speculation, with no room left, or while the drafter rests: speculative.Backoff)."""
         room = min(self.request.drafting.k, self.max_tokens - len(self.ids)) if self.drafter is not None else 0
-        if room <= 0 or self.rested():
+        if room <= 0 or self.backoff.rests():
             return [], []
         drafts, qs = self.drafter.propose(self.context, room, self.chooser, self.guide)
         self.backoff.proposed(drafts)
-        self.rested()  # this step is the rest's first
+        self.backoff.rests()  # this step is the rest's first
         return drafts, qs
-
-    def rested(self) -> bool:
-        """Whether the row's drafter rests this step (counted down)."""
-        if self.drafter is None or self.backoff.rest == 0:
-            return False
-        self.backoff.rest -= 1
-        return True
 
     @property
     def pipelines(self) -> bool:
@@ -421,7 +414,7 @@ class BatchDecoder:
         inputs = self.inputs if self.inputs is not None else mx.array([row.last_id for row in self.rows])
         logits = self.model.step(inputs[:, None], self.cache)
         for row in self.rows:
-            row.rested()
+            row.backoff.rests()
         # The repeat penalty sees a fed token the host has not read yet as `pending`.
         self.inputs = mx.stack([row.sampler(logits[i], row.context, inputs[i] if self.unread[i] else None)
                                 for i, row in enumerate(self.rows)])

@@ -294,6 +294,13 @@ class Backoff:
         else:
             self.rest, self._next_rest = self._next_rest, min(2 * self._next_rest, self.REST_LIMIT)
 
+    def rests(self) -> bool:
+        """Whether this token is one of the rest's (counted down), for a caller that decodes a token a step."""
+        if self.rest == 0:
+            return False
+        self.rest -= 1
+        return True
+
 
 def plain_steps(model, cache, token: int, steps: int) -> list[int]:
     """The greedy tokens of `steps` decode steps from `token`, each queued before the host reads the

@@ -137,7 +137,7 @@ class KernelStep:
         if n == 1:
             return self(tokens, cache)[:, None]
         if (cache[0].keys is None or not self.batches or rows * n > MAX_BATCH or rotates(cache)
-                or cache[0].quantized or cache[0].stores_quantized(n)):
+                or cache[0].stores_quantized(n)):
             return self.fallback.check_drafts(tokens, cache)
         for layer in cache:
             layer.make_room(n)

@@ -25,7 +25,7 @@ from mlxllama.generate import prefill
 from mlxllama.prompt import Template, build_prompt, messages_for
 from mlxllama.quants import to_affine
 
-from conftest import find_fixture_model
+from conftest import assert_same_greedy, find_fixture_model
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
 
@@ -44,6 +44,38 @@ MAX_KL = 1e-3
 def softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - logits.max())
     return e / e.sum()
+
+
+def kl_with_argmax_checked(want: np.ndarray, got: np.ndarray, where=None) -> float:
+    """KL divergence of got's next-token distribution from want's (one row of logits each), once
+    their argmax is checked to agree up to a near-tie (0.05 of a logit)."""
+    top = np.argmax(got)
+    assert top == np.argmax(want) or np.max(want) - want[top] < 0.05, where
+    p, q = softmax(want.astype(np.float64)), softmax(got.astype(np.float64))
+    return float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30))))
+
+
+def batch_caches(model, prompts: list[list[int]]) -> tuple[tuple[list, list], list[list[int]]]:
+    """Two BatchKVCaches alike, a row for each prompt (prefilled alone, as batch decoding joins
+    rows), and each prompt's greedy next token."""
+    caches = model.make_batch_cache(), model.make_batch_cache()
+    tokens = []
+    for ids in prompts:
+        single = model.make_cache()
+        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
+        for a, b, row in zip(*caches, single):
+            a.add(row)
+            b.add(row)
+    return caches, tokens
+
+
+def assert_rows_cached_alike(caches: tuple[list, list], lengths: list[int], quantization: KVQuantization | None):
+    """Each row's first lengths[row] slots alike in every layer of the two caches (assert_cached_alike)."""
+    for layer_a, layer_b in zip(*caches):
+        for row, length in enumerate(lengths):
+            assert_cached_alike(*((kv_map(lambda x: x[row, :, :length], layer.keys),
+                                   kv_map(lambda x: x[row, :, :length], layer.values)) for layer in (layer_a, layer_b)),
+                                quantization)
 
 
 @on_cuda
@@ -167,17 +199,11 @@ def assert_steps_match(model, kernel_step, ids: list[int]):
             kernel_step.fallback = reference
         want = np.array(reference(token, caches[1])[0])
         assert caches[0][0].offset == caches[1][0].offset == len(ids) + step + 1
-        p, q = softmax(want.astype(np.float64)), softmax(got.astype(np.float64))
-        kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
-        assert np.argmax(got) == np.argmax(want) or np.max(want) - want[np.argmax(got)] < 0.05, step
+        kls.append(kl_with_argmax_checked(want, got, step))
         token = mx.array([[int(np.argmax(want))]])
     assert np.mean(kls) < MAX_KL, kls
     # The kernels wrote the same keys and values into the cache as the plain step.
-    filled = len(ids) + STEPS
-    for layer_a, layer_b in zip(*caches):
-        assert_cached_alike(*((kv_map(lambda x: x[..., :filled, :], layer.keys),
-                               kv_map(lambda x: x[..., :filled, :], layer.values)) for layer in (layer_a, layer_b)),
-                            model.kv_quantization)
+    assert_rows_cached_alike(caches, [len(ids) + STEPS], model.kv_quantization)
 
 
 def assert_cached_alike(got: tuple, want: tuple, quantization: KVQuantization | None):
@@ -211,31 +237,17 @@ def test_batched_kernel_step_matches_the_plain_forward(name, rows, kv_bits):
     rng = np.random.default_rng(rows)
     prompts = [rng.integers(3, runtime.config.vocab_size, 3 + 5 * i + (70 if i == 1 else 0)).tolist()
                for i in range(rows)]
-    caches = model.make_batch_cache(), model.make_batch_cache()
-    tokens = []
-    for ids in prompts:
-        single = model.make_cache()
-        tokens.append([int(mx.argmax(prefill(model, ids, single)))])
-        for a, b, row in zip(*caches, single):
-            a.add(row)
-            b.add(row)
+    caches, tokens = batch_caches(model, prompts)
     assert kernel_step.takes_storage(caches[0][0])
     kls = []
     for step in range(STEPS):
         got = np.array(kernel_step(mx.array(tokens), caches[0]))
         want = np.array(kernel_step.fallback(mx.array(tokens), caches[1]))
         assert caches[0][0].lengths == caches[1][0].lengths == [len(p) + step + 1 for p in prompts]
-        for row in range(rows):
-            p, q = softmax(want[row].astype(np.float64)), softmax(got[row].astype(np.float64))
-            kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
-            assert np.argmax(got[row]) == np.argmax(want[row]) or np.max(want[row]) - want[row, np.argmax(got[row])] < 0.05
+        kls += [kl_with_argmax_checked(want[row], got[row], (step, row)) for row in range(rows)]
         tokens = [[int(t)] for t in np.argmax(want, axis=-1)]
     assert np.mean(kls) < MAX_KL, kls
-    for layer_a, layer_b in zip(*caches):
-        for row, length in enumerate(layer_a.lengths):
-            assert_cached_alike(*((kv_map(lambda x: x[row, :, :length], layer.keys),
-                                   kv_map(lambda x: x[row, :, :length], layer.values)) for layer in (layer_a, layer_b)),
-                                model.kv_quantization)
+    assert_rows_cached_alike(caches, caches[0][0].lengths, model.kv_quantization)
 
 
 # Speculation's checks: one row of 5 positions after 70 slots (3 runs of slots a head group), 16
@@ -261,13 +273,7 @@ def test_kernels_check_drafts_as_the_plain_forward_pass(name, rows, n):
         for cache in caches:
             prefill(model, prompts[0], cache)
     else:
-        caches = model.make_batch_cache(), model.make_batch_cache()
-        for ids in prompts:
-            single = model.make_cache()
-            prefill(model, ids, single)
-            for a, b, row in zip(*caches, single):
-                a.add(row)
-                b.add(row)
+        caches, _ = batch_caches(model, prompts)
 
     class NoFallback:
         def check_drafts(self, tokens, cache):
@@ -288,12 +294,8 @@ def test_kernels_check_drafts_as_the_plain_forward_pass(name, rows, n):
         want = np.array(reference.check_drafts(tokens, caches[1]))
         assert got.shape == want.shape == (rows, n, vocab)
         assert lengths(caches[0]) == lengths(caches[1]) == [length + n for length in before]
-        for row in range(rows):
-            for position in range(n):
-                p, q = softmax(want[row, position].astype(np.float64)), softmax(got[row, position].astype(np.float64))
-                kls.append(float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))))
-                top = np.argmax(got[row, position])
-                assert top == np.argmax(want[row, position]) or np.max(want[row, position]) - want[row, position, top] < 0.05
+        kls += [kl_with_argmax_checked(want[row, position], got[row, position], (check, row, position))
+                for row in range(rows) for position in range(n)]
         for cache in caches:  # the last n - 2 positions of each row rejected
             for layer in cache:
                 if rows > 1:
@@ -301,11 +303,7 @@ def test_kernels_check_drafts_as_the_plain_forward_pass(name, rows, n):
                 else:
                     layer.trim(n - 2)
     assert np.mean(kls) < MAX_KL, kls
-    for layer_a, layer_b in zip(*caches):
-        for row, length in enumerate(lengths([layer_a])):
-            assert_cached_alike(*((kv_map(lambda x: x[row, :, :length], layer.keys),
-                                   kv_map(lambda x: x[row, :, :length], layer.values)) for layer in (layer_a, layer_b)),
-                                None)
+    assert_rows_cached_alike(caches, lengths(caches[0]), None)
 
 
 @on_cuda
@@ -325,11 +323,7 @@ def test_prompt_lookup_checks_its_drafts_in_the_kernels():
     finally:
         del plain_step.check_drafts
     assert fell_back == [] and result.accepted > 30
-    got = result.token_ids
-    part = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
-    if part is not None:
-        row = runtime.logits(ids + plain[:part])[-1]
-        assert abs(row[got[part]] - row[plain[part]]) < 0.08, part
+    assert_same_greedy(runtime, ids, result.token_ids, plain)
 
 
 @on_cuda

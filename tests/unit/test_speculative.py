@@ -21,7 +21,7 @@ from mlxllama.generate import generate_tokens
 from mlxllama.sampling import SamplingParams, make_sampler
 from mlxllama.speculative import Chooser, PromptLookup, Speculation, check_same_vocabulary, rejection_step
 
-from conftest import PACKAGE_DATA, REPO_FIXTURES, find_fixture_model
+from conftest import PACKAGE_DATA, REPO_FIXTURES, assert_same_greedy, find_fixture_model
 
 QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is Zoe.", "What is the capital of Peru?"]
 
@@ -29,19 +29,6 @@ QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?", "My name is
 @cache
 def load(path) -> mlxllama.Runtime:
     return mlxllama.load(path)
-
-
-def assert_same_greedy(rt, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """Equal ids, or ids that part at a near-tie of the model's logits after their common prefix:
-    on the CPU they are equal; float16 on a GPU rounds a (k+1)-row check and single steps
-    differently (the parity tests' 0.08 is the bar)."""
-    part = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if part is None:
-        assert len(got) == len(want) or rt.model.compute_dtype != mx.float32
-        return
-    assert rt.model.compute_dtype != mx.float32, f"they part at token {part} on the CPU"
-    row = rt.logits(list(prompt) + want[:part])[-1]
-    assert abs(row[got[part]] - row[want[part]]) < 0.08, part
 
 
 def chat_ids(rt, text):
