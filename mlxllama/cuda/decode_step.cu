@@ -400,21 +400,27 @@ __device__ inline float warp_max(float v) {
 // the cache is read once for the group, not once a head. As many as the largest power of two
 // dividing the heads a KV head serves allows, up to MAX_QUERY_HEADS: a warp keeps each head's
 // accumulators, and 8 heads spilled registers and decoded slower than 4 (docs/benchmarks.md,
-// "Attention at depth").
+// "Attention at depth"). `fewer`: at most MAX_QUERY_HEADS_QUANTIZED, as layer_kernel takes them
+// over a quantized cache: a run there needs more registers (codes, scales, value biases), and with 4
+// heads a chunk of 32 slots took a lone warp 2.5 times a plain chunk's time (about 19,500 cycles
+// against 7,600; 12,300 with 2 heads), which the other runs of its head group wait for
+// (docs/benchmarks.md, "Quantized KV cache"). batch_layer_kernel keeps 4: at 16 sequences its warps
+// are many, and 2 heads were not measured there.
 constexpr int MAX_QUERY_HEADS = 4;
+constexpr int MAX_QUERY_HEADS_QUANTIZED = 2;
 
-__host__ __device__ constexpr int query_heads(int per_kv_head) {
+__host__ __device__ constexpr int query_heads(int per_kv_head, bool fewer) {
   int n = 1;
-  while (n < MAX_QUERY_HEADS && per_kv_head % (2 * n) == 0) {
+  while (n < (fewer ? MAX_QUERY_HEADS_QUANTIZED : MAX_QUERY_HEADS) && per_kv_head % (2 * n) == 0) {
     n *= 2;
   }
   return n;
 }
 
 // The groups of query_heads heads that a layer's attention is cut into.
-template <int HEADS, int KV_HEADS>
+template <int HEADS, int KV_HEADS, bool FEWER_HEADS>
 __device__ constexpr int head_groups() {
-  return HEADS / query_heads(HEADS / KV_HEADS);
+  return HEADS / query_heads(HEADS / KV_HEADS, FEWER_HEADS);
 }
 
 // Bytes a lane loads at once: its HEAD_DIM / 32 dims of a cached value.
@@ -966,11 +972,12 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // and combine some of its heads. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a count
 // for each sequence and group, zero before, made zero again by reset_runs_done after the next grid
 // barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
-// (all resident) wherever a group has more than one run.
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, typename Cache>
+// (all resident) wherever a group has more than one run. FEWER_HEADS: query_heads' `fewer`.
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
-  constexpr int QH = query_heads(HEADS / KV_HEADS), GROUPS = head_groups<HEADS, KV_HEADS>();
+  constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
+  constexpr int GROUPS = head_groups<HEADS, KV_HEADS, FEWER_HEADS>();
   constexpr int stride = MAX_RUNS * (HEAD_DIM + 2), q_groups = Cache::groups;
   cache.store_fresh(seqs, positions);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
@@ -1034,10 +1041,10 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
 }
 
 // After the grid barrier that follows attention_items: its counts made zero for the next launch.
-template <int HEADS, int KV_HEADS>
+template <int HEADS, int KV_HEADS, bool FEWER_HEADS>
 __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
   if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < seqs * head_groups<HEADS, KV_HEADS>(); i += blockDim.x) {
+    for (int i = threadIdx.x; i < seqs * head_groups<HEADS, KV_HEADS, FEWER_HEADS>(); i += blockDim.x) {
       runs_done[i] = 0;
     }
   }
@@ -1090,9 +1097,10 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS>(1, position, q, partials, attn, cache, runs_done, smem);
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0)>(1, position, q, partials, attn, cache,
+                                                                       runs_done, smem);
   grid_barrier(arrivals);
-  reset_runs_done<HEADS, KV_HEADS>(1, runs_done);
+  reset_runs_done<HEADS, KV_HEADS, (KEY_BITS > 0)>(1, runs_done);
 
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
   for (int row = warp; row < HIDDEN; row += warps) {

@@ -48,6 +48,7 @@ HEAD_THREADS = _constant(_STEP_SOURCE, "THREADS")  # a block of head_kernel
 LAYER_THREADS = _constant(_STEP_SOURCE, "LAYER_THREADS")  # a block of layer_kernel and batch_layer_kernel
 SEQ_TILE = _constant(_BATCH_SOURCE, "SEQ_TILE")  # sequences of one tensor-core product
 MAX_QUERY_HEADS = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS")  # query heads an attention warp takes at most
+MAX_QUERY_HEADS_QUANTIZED = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS_QUANTIZED")  # the same over a quantized cache
 # Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
 MAX_BATCH = 2 * SEQ_TILE
 FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
@@ -120,22 +121,23 @@ def staged_floats(k: int) -> int:
     return k // GROUP * GROUP_STRIDE + k // GROUP + GROUP + 1
 
 
-def query_heads(c: ModelConfig) -> int:
-    """decode_step.cu's query_heads: the query heads of one KV head that an attention warp takes at once."""
+def query_heads(c: ModelConfig, quantized: bool = False) -> int:
+    """decode_step.cu's query_heads: the query heads of one KV head that an attention warp takes at
+    once (`quantized`: in layer_kernel over a quantized cache)."""
     per_kv_head, n = c.n_heads // c.n_kv_heads, 1
-    while n < MAX_QUERY_HEADS and per_kv_head % (2 * n) == 0:
+    while n < (MAX_QUERY_HEADS_QUANTIZED if quantized else MAX_QUERY_HEADS) and per_kv_head % (2 * n) == 0:
         n *= 2
     return n
 
 
-def head_groups(c: ModelConfig) -> int:
+def head_groups(c: ModelConfig, quantized: bool = False) -> int:
     """decode_step.cu's head_groups: the groups of query_heads heads that a layer's attention is cut into."""
-    return c.n_heads // query_heads(c)
+    return c.n_heads // query_heads(c, quantized)
 
 
 def attention_queries_floats(c: ModelConfig) -> int:
     """Shared memory for the scaled queries of every warp's head group, and their sums over each
-    group of a quantized cache (32 values at least)."""
+    group of a quantized cache (32 values at least): as many as the larger groups of a plain cache need."""
     return LAYER_THREADS // 32 * query_heads(c) * (c.head_dim + c.head_dim // 32)
 
 
@@ -167,11 +169,13 @@ def batch_shared_floats(c: ModelConfig, tiles: int) -> int:
     return 2 * LAYER_THREADS * tiles * 4 + max(staged, attention_queries_floats(c))
 
 
-def max_runs(blocks: int, c: ModelConfig, seqs: int = 1) -> int:
+def max_runs(blocks: int, c: ModelConfig, seqs: int = 1, quantized: bool = False) -> int:
     """Runs of slots a head group's attention may be cut into (up to RUNS_LIMIT): few enough that
     every (sequence, head group, run) item of `seqs` sequences has a warp of its own, as
-    attention_items needs where a group has several runs."""
-    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c))))
+    attention_items needs where a group has several runs. `quantized` (layer_kernel over a quantized
+    cache): its smaller groups are more of them, so never more runs than a plain cache's, and the
+    scratch sized for those holds these."""
+    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c, quantized))))
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:

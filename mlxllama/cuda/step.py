@@ -217,7 +217,8 @@ class KernelStep:
         The layers' launches share `self.sync` (the barrier's count) and `self.scratch` (what the
         kernel's steps hand on) and never overlap: each takes the previous one's output.
         """
-        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", self.max_runs)]
+        runs = kernels.max_runs(self.blocks, self.config, quantized=_quantized(cache))
+        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", runs)]
         inputs = self._layer_inputs(layer, x=x, position=position, scratch=self.scratch, **cache)
         return self._launch_layer("layer_kernel", kernels.LAYER_PARAMETERS, template, inputs,
                                   kernels.layer_shared_floats(self.config), batch=False)
@@ -258,7 +259,7 @@ class KernelStep:
         values = dict(BIAS=q.bias is not None, HEADS=c.n_heads, KV_HEADS=c.n_kv_heads, HEAD_DIM=c.head_dim,
                       ROPE_DIM=c.rope_dim, TRADITIONAL=c.rope_traditional, HIDDEN=q.cols, FFN=gate.rows,
                       KEY_BITS=0, VALUE_BITS=0, KV_GROUP=0)
-        if cache["keys"].dtype == mx.uint32:
+        if _quantized(cache):
             values.update(KEY_BITS=cache["keys"].shape[-1] * 32 // c.head_dim,
                           VALUE_BITS=cache["values"].shape[-1] * 32 // c.head_dim,
                           KV_GROUP=c.head_dim // cache["key_scales"].shape[-1])
@@ -332,3 +333,8 @@ def _on_device(a: mx.array) -> mx.array:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _quantized(cache: dict[str, mx.array]) -> bool:
+    """Whether a layer's cache arrays (by the kernels' names) are a quantized cache's packed words."""
+    return cache["keys"].dtype == mx.uint32

@@ -26,6 +26,17 @@ def test_layer_timeline_stamps_the_start_each_barrier_and_the_end_of_the_layer_k
     assert body.count("grid_barrier(arrivals);") == 4
 
 
+def test_attention_stamps_mark_each_phase_of_an_attention_item_in_order():
+    stamped = run_script("benchmarks/attention_stamps.py", "--header-only")
+    items = stamped.split("__device__ void attention_items(")[1].split("__device__ void reset_runs_done(")[0]
+    # The item's phases 0, 1, 6-9 around attention_run's 2-5, in the order report() reads them.
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", items)] == [0, 1, 6, 7, 8, 9]
+    run = stamped.split("__device__ void attention_run(")[1].split("__device__")[0]
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 3, 4, 5]
+    assert items.count(", sb);") == 2  # both calls of attention_run pass the item's stamps on
+    assert "unsigned long long* att) {" in stamped
+
+
 def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
     out = tmp_path / "host_time.json"
     run_script("benchmarks/host_time.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--reps", "3",

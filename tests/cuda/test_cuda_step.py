@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from itertools import product
 from pathlib import Path
 
 import gguf
@@ -134,7 +135,9 @@ def test_kernel_step_over_a_quantized_cache(length):
 @pytest.mark.parametrize("bits,key_bits", [(8, None), (4, None), (4, 8)])
 def test_kernel_step_over_a_quantized_cache_of_two_groups_a_head(tinyllama, bits, key_bits):
     """TinyLlama's layout at 2,000 slots with keys and values quantized in groups of 32 (two a
-    head): 8-bit, 4-bit, and 8-bit keys with 4-bit values (--kv-key-bits)."""
+    head): 8-bit, 4-bit, and 8-bit keys with 4-bit values (--kv-key-bits). Its attention warps take
+    2 query heads each here (4 over a plain cache)."""
+    assert kernels.query_heads(tinyllama.config, quantized=True) == 2
     model = tinyllama.model
     model.store_kv_quantized(KVQuantization(bits, key_bits=key_bits))
     try:
@@ -414,13 +417,17 @@ def chat_tiny_config():
     return mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf")).config
 
 
-@pytest.mark.parametrize("heads,kv_heads,expected", [(32, 4, 4), (32, 8, 4), (32, 16, 2), (32, 32, 1), (14, 2, 1),
-                                                    (12, 2, 2), (8, 2, 4)])
-def test_attention_warps_take_the_query_heads_of_one_kv_head(chat_tiny_config, heads, kv_heads, expected):
-    """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS."""
+@pytest.mark.parametrize("heads,kv_heads,expected,over_quantized", [
+    (32, 4, 4, 2), (32, 8, 4, 2), (32, 16, 2, 2), (32, 32, 1, 1), (14, 2, 1, 1), (12, 2, 2, 2), (8, 2, 4, 2)])
+def test_attention_warps_take_the_query_heads_of_one_kv_head(chat_tiny_config, heads, kv_heads, expected,
+                                                             over_quantized):
+    """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS
+    (MAX_QUERY_HEADS_QUANTIZED over a quantized cache)."""
     config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
-    assert kernels.MAX_QUERY_HEADS == 4
+    assert (kernels.MAX_QUERY_HEADS, kernels.MAX_QUERY_HEADS_QUANTIZED) == (4, 2)
     assert kernels.query_heads(config) == expected
+    assert kernels.query_heads(config, quantized=True) == over_quantized
+    assert kernels.head_groups(config, quantized=True) == heads // over_quantized
 
 
 @pytest.mark.parametrize("blocks", [3, 16, 132])
@@ -429,12 +436,15 @@ def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat
     """attention_items' combining warps wait for the group's other runs: with more than one run a
     group, every (sequence, group, run) item must have a warp of its own, or a warp could wait for
     an item it would take itself later."""
-    for heads, kv_heads in [(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)]:
+    for (heads, kv_heads), quantized in product([(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)], [False, True]):
         config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
-        runs = kernels.max_runs(blocks, config, seqs)
+        runs = kernels.max_runs(blocks, config, seqs, quantized)
         assert 1 <= runs <= kernels.RUNS_LIMIT
+        # The layer's scratch, sized by a plain cache's runs, holds a quantized cache's partials.
+        assert runs <= kernels.max_runs(blocks, config, seqs)
         if runs > 1:
-            assert seqs * heads // kernels.query_heads(config) * runs <= blocks * kernels.LAYER_THREADS // 32
+            groups = heads // kernels.query_heads(config, quantized)
+            assert seqs * groups * runs <= blocks * kernels.LAYER_THREADS // 32
 
 
 @pytest.mark.parametrize("head_dim,bits,takes", [(32, 8, True), (32, 4, False), (64, 4, True), (64, 8, True),

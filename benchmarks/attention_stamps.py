@@ -1,0 +1,145 @@
+"""Where one attention item's time goes inside a layer_kernel launch (CUDA only): cycle stamps in its runs.
+
+    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8]
+    python benchmarks/attention_stamps.py --header-only > stamped.cu   # to compile-check it
+
+Builds the one-sequence kernel step from a copy of the kernels' source in which lane 0 of the warp that
+takes head group 0's first run of slots, and of the warp that takes its last run (the one ending at
+the step's new slot), writes clock64() at each phase of its item into an extra output; so does the
+warp that stores a quantized cache's new slot (store_fresh). It decodes up to the last of
+--positions and at each prints, as medians over the layers, each phase's end in cycles from the
+item's start. A position whose group has one run shows it as the last run only; "-1" marks a
+phase the warp did not reach (a run that combines no head waits for none).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+import numpy as np
+
+from mlxllama import load
+from mlxllama.cache import KVQuantization
+from mlxllama.cuda import kernels
+from mlxllama.cuda.step import device_limits
+from mlxllama.errors import MlxLlamaError
+
+SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
+FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
+PHASES = ["queries staged", "run entered", "chunks done", "new slot done", "finish done", "run written",
+          "arrived", "waited", "combined"]
+
+
+def stamped_source(source: str) -> str:
+    """The kernels' header (kernels.HEADER) with the stamps, and the layer kernel's extra output
+    `att`, written in."""
+    def put(anchor: str, text: str, before: bool = False) -> None:
+        nonlocal source
+        if source.count(anchor) != 1:
+            raise SystemExit(f"attention_stamps.py: the kernels have changed: {anchor.strip()[:60]!r} not found once")
+        source = source.replace(anchor, text + anchor if before else anchor + text)
+
+    put("__device__ inline void grid_barrier(",
+        "__device__ unsigned long long* g_att;\n"
+        f"#define ASTAMP(base, k) do {{ if (g_att != nullptr && (base) >= 0 && threadIdx.x % 32 == 0) "
+        f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n", before=True)
+    put("float* out, int out_stride, bool whole", ", int sb = -1")
+    put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
+    put("  if constexpr (Slots::quantized) {\n    if (fresh_last) {", "  ASTAMP(sb, 3);\n", before=True)
+    put("  slots.finish(acc);\n", "  ASTAMP(sb, 4);\n", before=True)
+    put("  slots.finish(acc);\n", "  ASTAMP(sb, 5);\n")
+    put("    const int head = group * QH, kv_head = head / (HEADS / KV_HEADS), seq_head = seq * HEADS + head;\n",
+        f"    const int sb = seq == 0 && group == 0 ? (r == runs - 1 ? {LAST_RUN} : r == 0 ? {FIRST_RUN} : -1) : -1;\n"
+        "    ASTAMP(sb, 0);\n")
+    put("    const auto head_slots = cache.template slots<QH>(", "    ASTAMP(sb, 1);\n", before=True)
+    put("attn + seq_head * HEAD_DIM, HEAD_DIM, true", ", sb")
+    put("group_partials + r * (HEAD_DIM + 2), stride, false", ", sb")
+    put("    __threadfence();\n    __syncwarp();\n    unsigned int* done = runs_done", "    ASTAMP(sb, 6);\n", before=True)
+    put("combiners = min(QH, runs);\n", "    ASTAMP(sb, 7);\n")
+    put("    for (int h = rank; h < QH; h += combiners) {\n      combine_runs", "    ASTAMP(sb, 8);\n", before=True)
+    put("      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n    }\n",
+        "    ASTAMP(sb, 9);\n")
+    put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 0);\n",
+        before=True)
+    put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 1);\n")
+    put("const float* scratch, float* y", ", unsigned long long* att")
+    put("  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);\n  for (int pair = warp;",
+        f"  g_att = att;\n  for (int i = threadIdx.x; i < {SLOTS}; i += blockDim.x) att[blockIdx.x * {SLOTS} + i] = 0;\n",
+        before=True)
+    return source
+
+
+def instrument(blocks: int, stamps: list[mx.array]) -> None:
+    """Every layer launch from now on also returns its stamps [blocks * SLOTS] into `stamps`."""
+    kernels.HEADER = stamped_source(kernels.HEADER)
+    make_kernel = kernels.kernel
+
+    def kernel(function, parameters, template, shared_floats, batch=False, outputs=("y",)):
+        if function != "layer_kernel":
+            return make_kernel(function, parameters, template, shared_floats, batch, outputs)
+        launch = make_kernel(function, parameters + ("att",), template, shared_floats, batch, outputs + ("att",))
+
+        def stamped(**kwargs):
+            kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * SLOTS,)]
+            kwargs["output_dtypes"] = kwargs["output_dtypes"] + [mx.uint64]
+            out = launch(**kwargs)
+            stamps.append(out[-1])
+            return out
+
+        return stamped
+
+    kernels.kernel = kernel
+
+
+def report(position: int, label: str, stamps: list[mx.array], blocks: int) -> None:
+    layers = [np.array(a).reshape(blocks, SLOTS).astype(np.int64) for a in stamps]
+    print(f"position {position}, {label}: cycles from the item's start, median over layers")
+    for base, name in ((FIRST_RUN, "first run"), (LAST_RUN, "last run (new slot)")):
+        rows = [t[b, base:base + 10] - t[b, base] for t in layers for b in np.nonzero(t[:, base])[0][:1]]
+        if not rows:
+            continue
+        phases = np.array(rows)[:, 1:]
+        medians = [int(np.median(c[c >= 0])) if (c >= 0).any() else -1 for c in phases.T]
+        print(f"  {name:20s} " + "  ".join(f"{n} {m}" for n, m in zip(PHASES, medians)))
+    stored = [t[b, STORE + 1] - t[b, STORE] for t in layers for b in np.nonzero(t[:, STORE])[0][:1]]
+    if stored:
+        print(f"  store_fresh (one warp): {int(np.median(stored))} cycles")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--positions", default="100,1024")
+    parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
+    parser.add_argument("--header-only", action="store_true", help="print the stamped kernel source and exit")
+    args = parser.parse_args()
+    if args.header_only:
+        print(stamped_source(kernels.HEADER))
+        return
+    if args.model is None:
+        parser.error("MODEL is required")
+    limits = device_limits()
+    if not limits or not mx.cuda.is_available():
+        raise SystemExit("attention_stamps.py: needs MLX's CUDA backend")
+    stamps: list[mx.array] = []
+    instrument(limits[0], stamps)
+    runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
+    model = runtime.model
+    model.decode_step._compiled = None  # each launch's stamps are kept, which a compiled step would drop
+    cache = model.make_cache()
+    mx.eval(model.step(mx.array([[1]]), cache))
+    positions = [int(p) for p in args.positions.split(",")]
+    label = f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache"
+    for position in range(1, max(positions) + 1):
+        stamps.clear()
+        mx.eval(model.step(mx.array([[5]]), cache), stamps)
+        if position in positions:
+            report(position, label, stamps, limits[0])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MlxLlamaError as error:
+        raise SystemExit(f"attention_stamps.py: {error}")
