@@ -15,6 +15,8 @@ phase the warp did not reach (a run that combines no head waits for none).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +26,9 @@ from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
 from mlxllama.cuda.step import device_limits
 from mlxllama.errors import MlxLlamaError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layer_timeline import instrument  # noqa: E402 - a sibling script
 
 SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
 FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
@@ -70,28 +75,6 @@ def stamped_source(source: str) -> str:
     return source
 
 
-def instrument(blocks: int, stamps: list[mx.array]) -> None:
-    """Every layer launch from now on also returns its stamps [blocks * SLOTS] into `stamps`."""
-    kernels.HEADER = stamped_source(kernels.HEADER)
-    make_kernel = kernels.kernel
-
-    def kernel(function, parameters, template, shared_floats, batch=False, outputs=("y",)):
-        if function != "layer_kernel":
-            return make_kernel(function, parameters, template, shared_floats, batch, outputs)
-        launch = make_kernel(function, parameters + ("att",), template, shared_floats, batch, outputs + ("att",))
-
-        def stamped(**kwargs):
-            kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * SLOTS,)]
-            kwargs["output_dtypes"] = kwargs["output_dtypes"] + [mx.uint64]
-            out = launch(**kwargs)
-            stamps.append(out[-1])
-            return out
-
-        return stamped
-
-    kernels.kernel = kernel
-
-
 def report(position: int, label: str, stamps: list[mx.array], blocks: int) -> None:
     layers = [np.array(a).reshape(blocks, SLOTS).astype(np.int64) for a in stamps]
     print(f"position {position}, {label}: cycles from the item's start, median over layers")
@@ -123,7 +106,7 @@ def main():
     if not limits or not mx.cuda.is_available():
         raise SystemExit("attention_stamps.py: needs MLX's CUDA backend")
     stamps: list[mx.array] = []
-    instrument(limits[0], stamps)
+    instrument(stamped_source, "att", SLOTS, limits[0], stamps)
     runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
     model = runtime.model
     model.decode_step._compiled = None  # each launch's stamps are kept, which a compiled step would drop

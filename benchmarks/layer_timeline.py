@@ -14,6 +14,7 @@ first and last block's arrival at the barrier after it; and the gap between laye
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -47,24 +48,27 @@ def timed_header(header: str) -> str:
     return head + signature.replace(") {", ", unsigned long long* times) {") + body
 
 
-def instrument(blocks: int, timestamps: list[mx.array]) -> None:
-    """Every layer launch from now on also returns its timestamps [blocks * 16] into `timestamps`."""
-    kernels.HEADER = timed_header(kernels.HEADER)
+def instrument(rewrite: Callable[[str], str], output: str, per_block: int, blocks: int,
+               collected: list[mx.array]) -> None:
+    """Every layer_kernel launch from now on is built from the kernels' header as `rewrite` rewrites
+    it, and also returns its extra output `output` [blocks * per_block] (unsigned 64-bit) into
+    `collected` (attention_stamps.py uses this too)."""
+    kernels.HEADER = rewrite(kernels.HEADER)
     make_kernel = kernels.kernel
 
     def kernel(function, parameters, template, shared_floats, batch=False, outputs=("y",)):
         if function != "layer_kernel":
             return make_kernel(function, parameters, template, shared_floats, batch, outputs)
-        launch = make_kernel(function, parameters + ("times",), template, shared_floats, batch, outputs + ("times",))
+        launch = make_kernel(function, parameters + (output,), template, shared_floats, batch, outputs + (output,))
 
-        def timed(**kwargs):
-            kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * 16,)]
+        def instrumented(**kwargs):
+            kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * per_block,)]
             kwargs["output_dtypes"] = kwargs["output_dtypes"] + [mx.uint64]
             out = launch(**kwargs)
-            timestamps.append(out[-1])
+            collected.append(out[-1])
             return out
 
-        return timed
+        return instrumented
 
     kernels.kernel = kernel
 
@@ -97,7 +101,7 @@ def main():
     limits = device_limits()
     if not limits or not mx.cuda.is_available():
         raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
-    instrument(limits[0], timestamps)
+    instrument(timed_header, "times", 16, limits[0], timestamps)
     runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
     model = runtime.model
     model.decode_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
