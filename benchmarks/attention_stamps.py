@@ -14,21 +14,17 @@ phase the warp did not reach (a run that combines no head waits for none).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from mlxllama import load
-from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
-from mlxllama.cuda.step import device_limits
 from mlxllama.errors import MlxLlamaError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from layer_timeline import instrument  # noqa: E402 - a sibling script
+from layer_timeline import arguments, instrumented_steps  # noqa: E402 - a sibling script
 
 SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
 FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
@@ -91,34 +87,13 @@ def report(position: int, label: str, stamps: list[mx.array], blocks: int) -> No
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?")
-    parser.add_argument("--positions", default="100,1024")
-    parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
-    parser.add_argument("--header-only", action="store_true", help="print the stamped kernel source and exit")
-    args = parser.parse_args()
+    args = arguments(__doc__, "100,1024")
     if args.header_only:
         print(stamped_source(kernels.HEADER))
         return
-    if args.model is None:
-        parser.error("MODEL is required")
-    limits = device_limits()
-    if not limits or not mx.cuda.is_available():
-        raise SystemExit("attention_stamps.py: needs MLX's CUDA backend")
-    stamps: list[mx.array] = []
-    instrument(stamped_source, "att", SLOTS, limits[0], stamps)
-    runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
-    model = runtime.model
-    model.decode_step._compiled = None  # each launch's stamps are kept, which a compiled step would drop
-    cache = model.make_cache()
-    mx.eval(model.step(mx.array([[1]]), cache))
-    positions = [int(p) for p in args.positions.split(",")]
     label = f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache"
-    for position in range(1, max(positions) + 1):
-        stamps.clear()
-        mx.eval(model.step(mx.array([[5]]), cache), stamps)
-        if position in positions:
-            report(position, label, stamps, limits[0])
+    for position, stamps, blocks in instrumented_steps("attention_stamps.py", args, stamped_source, "att", SLOTS):
+        report(position, label, stamps, blocks)
 
 
 if __name__ == "__main__":

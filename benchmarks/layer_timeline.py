@@ -14,7 +14,7 @@ first and last block's arrival at the barrier after it; and the gap between laye
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -48,11 +48,16 @@ def timed_header(header: str) -> str:
     return head + signature.replace(") {", ", unsigned long long* times) {") + body
 
 
-def instrument(rewrite: Callable[[str], str], output: str, per_block: int, blocks: int,
-               collected: list[mx.array]) -> None:
-    """Every layer_kernel launch from now on is built from the kernels' header as `rewrite` rewrites
-    it, and also returns its extra output `output` [blocks * per_block] (unsigned 64-bit) into
-    `collected` (attention_stamps.py uses this too)."""
+def instrumented_steps(script: str, args: argparse.Namespace, rewrite: Callable[[str], str], output: str,
+                       per_block: int) -> Iterator[tuple[int, list[mx.array], int]]:
+    """Decode args.model (with args.kv_bits) up to the last of args.positions, every layer_kernel
+    launch built from the kernels' header as `rewrite` rewrites it and returning the extra output
+    `output` [blocks * per_block] (unsigned 64-bit); at each of the positions, yield it, that step's
+    launches' outputs (a layer each) and the blocks a launch has. attention_stamps.py uses this too."""
+    limits = device_limits()
+    if not limits or not mx.cuda.is_available():
+        raise SystemExit(f"{script}: needs MLX's CUDA backend")
+    blocks, collected = limits[0], []
     kernels.HEADER = rewrite(kernels.HEADER)
     make_kernel = kernels.kernel
 
@@ -71,6 +76,30 @@ def instrument(rewrite: Callable[[str], str], output: str, per_block: int, block
         return instrumented
 
     kernels.kernel = kernel
+    runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
+    model = runtime.model
+    model.decode_step._compiled = None  # each launch's output is kept, which a compiled step would drop
+    cache = model.make_cache()
+    mx.eval(model.step(mx.array([[1]]), cache))
+    positions = [int(p) for p in args.positions.split(",")]
+    for position in range(1, max(positions) + 1):
+        collected.clear()
+        mx.eval(model.step(mx.array([[5]]), cache), collected)
+        if position in positions:
+            yield position, collected, blocks
+
+
+def arguments(doc: str, positions: str) -> argparse.Namespace:
+    """The options both instrumenting scripts take: MODEL, --positions, --kv-bits, --header-only."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--positions", default=positions)
+    parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
+    parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
+    args = parser.parse_args()
+    if not args.header_only and args.model is None:
+        parser.error("MODEL is required")
+    return args
 
 
 def report(position: int, timestamps: list[mx.array]) -> None:
@@ -85,36 +114,15 @@ def report(position: int, timestamps: list[mx.array]) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?")
-    parser.add_argument("--positions", default="10,100,199")
-    parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
-    parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
-    args = parser.parse_args()
+    args = arguments(__doc__, "10,100,199")
     if args.header_only:
         print(timed_header(kernels.HEADER))
         return
-    if args.model is None:
-        parser.error("MODEL is required")
-    positions = [int(p) for p in args.positions.split(",")]
-    timestamps: list[mx.array] = []
-    limits = device_limits()
-    if not limits or not mx.cuda.is_available():
-        raise SystemExit("layer_timeline.py: needs MLX's CUDA backend")
-    instrument(timed_header, "times", 16, limits[0], timestamps)
-    runtime = load(args.model, kv_quantization=KVQuantization(args.kv_bits) if args.kv_bits else None)
-    model = runtime.model
-    model.decode_step._compiled = None  # each launch's timestamps are kept, which a compiled step would drop
-    cache = model.make_cache()
-    mx.eval(model.step(mx.array([[1]]), cache))
-    for position in range(1, max(positions) + 1):
-        timestamps.clear()
-        mx.eval(model.step(mx.array([[5]]), cache), timestamps)
-        if position in positions:
-            report(position, timestamps)
-            starts = np.array([np.array(a).reshape(-1, 16)[:, 0].min() for a in timestamps], np.int64)
-            ends = np.array([np.array(a).reshape(-1, 16)[:, 9].max() for a in timestamps], np.int64)
-            print(f"  gap between layer launches: median {np.median(starts[1:] - ends[:-1]) / 1000:.2f} µs")
+    for position, timestamps, _ in instrumented_steps("layer_timeline.py", args, timed_header, "times", 16):
+        report(position, timestamps)
+        starts = np.array([np.array(a).reshape(-1, 16)[:, 0].min() for a in timestamps], np.int64)
+        ends = np.array([np.array(a).reshape(-1, 16)[:, 9].max() for a in timestamps], np.int64)
+        print(f"  gap between layer launches: median {np.median(starts[1:] - ends[:-1]) / 1000:.2f} µs")
 
 
 if __name__ == "__main__":
