@@ -36,11 +36,12 @@
 #                                                 # 8192 with the cache unquantized, --kv-bits 8, 4 and 4 with 8-bit
 #                                                 # keys (KV_SECONDS a run), then llama-bench -d with -ctk/-ctv f16,
 #                                                 # q8_0 and q4_0, on a 16k-context copy (no argument: both)
-#   bash benchmarks/gpu.sh depth [kernels|timeline|llama] # there: the kernels' tg128 at depth 0, 4096 and 8192, one
-#                                                 # sequence and 16, under other attention settings
+#   bash benchmarks/gpu.sh depth [kernels|timeline|stamps|llama] # there: the kernels' tg128 at depth 0, 4096 and
+#                                                 # 8192, one sequence and 16, under other attention settings
 #                                                 # (benchmarks/attention_depth.py); the layer timeline at those
-#                                                 # depths; llama-bench -d and llama-batched-bench at depth 8192,
-#                                                 # on a 16k-context copy (no argument: all three)
+#                                                 # depths; the attention items' phases (attention_stamps.py),
+#                                                 # unquantized and 8-bit; llama-bench -d and llama-batched-bench
+#                                                 # at depth 8192, on a 16k-context copy (no argument: all four)
 #   bash benchmarks/gpu.sh serve [CLIENTS [ROUNDS]] # there: mlxllama serve and llama-server (-np = clients) in turn
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py;
 #                                                 # ROUNDS (default 1) times over, alternating, each run labelled with its round
@@ -394,7 +395,7 @@ print(r['mode'], r['kv_cache'], r['kv_bytes_per_position'], [(t['name'], round(t
 attention_depth() {  # the kernels' attention at depth (#24), beside llama.cpp's
     mkdir -p "$out"
     local deep=$work/tinyllama-1.1b-16k-Q4_K_M.gguf part=${1:-all}
-    case $part in all|kernels|timeline|llama) ;; *) echo "gpu.sh depth: unknown part '$part' (kernels, timeline, llama)" >&2; exit 2 ;; esac
+    case $part in all|kernels|timeline|stamps|llama) ;; *) echo "gpu.sh depth: unknown part '$part' (kernels, timeline, stamps, llama)" >&2; exit 2 ;; esac
     wants() { [ "$part" = all ] || [ "$part" = "$1" ]; }
     [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
     if wants kernels; then
@@ -404,6 +405,14 @@ attention_depth() {  # the kernels' attention at depth (#24), beside llama.cpp's
     if wants timeline; then
         log layer timeline
         timeout 120 python3 benchmarks/layer_timeline.py "$deep" --positions 100,4096,8191 | tee "$out/layer-timeline.txt"
+    fi
+    if wants stamps; then
+        local flags
+        for flags in "" "--kv-bits 8"; do
+            log "attention_stamps.py $flags"
+            timeout 120 python3 benchmarks/attention_stamps.py "$deep" --positions 100,1024,8191 $flags \
+                | tee -a "$out/attention-stamps.txt"
+        done
     fi
     if wants llama && llama_cpp_built; then
         local bin=$work/llama-build/bin
