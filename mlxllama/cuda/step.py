@@ -80,7 +80,8 @@ class KernelStep:
         c = self.config = model.config
         self.fallback = fallback
         # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head group's
-        # attention may be split into this many runs of slots.
+        # attention over a plain cache may be split into this many runs of slots (over a quantized
+        # one, into no more: its head groups are smaller), which the scratch is sized by.
         self.blocks = blocks
         self.max_runs = kernels.max_runs(blocks, c)
         self.sync = _on_device(mx.zeros((32 + MAX_BATCH * c.n_heads,), mx.uint32))
