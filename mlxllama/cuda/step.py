@@ -79,11 +79,8 @@ class KernelStep:
     def __init__(self, model: Transformer, fallback: DecodeStep, blocks: int, shared_bytes: int = 0):
         c = self.config = model.config
         self.fallback = fallback
-        # layer_kernel's grid: one block an SM (decode_step.cu says why), and so each head group's
-        # attention over a plain cache may be split into this many runs of slots (over a quantized
-        # one, into no more: its head groups are smaller), which the scratch is sized by.
+        # layer_kernel's grid: one block an SM (decode_step.cu says why).
         self.blocks = blocks
-        self.max_runs = kernels.max_runs(blocks, c)
         self.sync = _on_device(mx.zeros((32 + MAX_BATCH * c.n_heads,), mx.uint32))
         # Not the model itself, which holds this step: a cycle would keep both alive until the cycle collector ran.
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
@@ -93,7 +90,10 @@ class KernelStep:
         self.batches = (c.hidden_size % 16 == 0 and c.ffn_size % 16 == 0
                         and 4 * kernels.batch_shared_floats(c, MAX_BATCH // SEQ_TILE) <= shared_bytes)
         self._batch_scratch: dict[int, mx.array] = {}
-        self.scratch = _on_device(mx.zeros((kernels.layer_scratch_floats(c, self.max_runs),), mx.float32))
+        # Sized by a plain cache's runs of slots a head group (kernels.max_runs), which a quantized
+        # cache's smaller head groups never exceed.
+        self.scratch = _on_device(mx.zeros((kernels.layer_scratch_floats(c, kernels.max_runs(blocks, c)),),
+                                           mx.float32))
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self.layers = []
         for block in model.blk:
