@@ -1,20 +1,25 @@
 """Where one attention item's time goes inside a layer_kernel launch (CUDA only): cycle stamps in its runs.
 
-    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8]
-    python benchmarks/attention_stamps.py --header-only > stamped.cu   # to compile-check it
+    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8] [--twice]
+    python benchmarks/attention_stamps.py --header-only [--twice] > stamped.cu   # to compile-check it
 
 Builds the one-sequence kernel step from a copy of the kernels' source in which lane 0 of the warp that
 takes head group 0's first run of slots, and of the warp that takes its last run (the one ending at
 the step's new slot), writes clock64() at each phase of its item into an extra output; so does the
 warp that stores a quantized cache's new slot (store_fresh). It decodes up to the last of
 --positions and at each prints, as medians over the layers, each phase's end in cycles from the
-item's start. A position whose group has one run shows it as the last run only; "-1" marks a
-phase the warp did not reach (a run that combines no head waits for none).
+item's start. A position whose group has one run shows it as the last run only; a phase the warp
+did not reach is left out (a run that combines no head waits for none).
+
+--twice: every run of slots, and every combining of a head's runs, done twice in a row, the stamps
+marking the second (and the first combining's end): whether a phase is slow because its code runs
+cold on its SM (it is not: docs/benchmarks.md, "Attention at depth").
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,13 +33,15 @@ from layer_timeline import arguments, instrumented_steps  # noqa: E402 - a sibli
 
 SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
 FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
-PHASES = ["queries staged", "run entered", "chunks done", "new slot done", "finish done", "run written",
-          "arrived", "waited", "combined"]
+# Each phase's end as the stamp after the item's start (stamp 0) that marks it, in the order they come.
+PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk done", 10), ("chunks done", 3),
+          ("new slot done", 4), ("finish done", 5), ("run written", 6), ("arrived", 7), ("waited", 8),
+          ("first combining done", 11), ("combined", 9)]
 
 
-def stamped_source(source: str) -> str:
+def stamped_source(source: str, twice: bool = False) -> str:
     """The kernels' header (kernels.HEADER) with the stamps, and the layer kernel's extra output
-    `att`, written in."""
+    `att`, written in; with `twice`, each attention_run and combine_runs call made twice."""
     def put(anchor: str, text: str, before: bool = False) -> None:
         nonlocal source
         if source.count(anchor) != 1:
@@ -47,6 +54,7 @@ def stamped_source(source: str) -> str:
         f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n", before=True)
     put("float* out, int out_stride, bool whole", ", int sb = -1")
     put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
+    put("      slots.add_values(acc, p, t, dims[t]);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 10);\n")
     put("  if constexpr (Slots::quantized) {\n    if (fresh_last) {", "  ASTAMP(sb, 3);\n", before=True)
     put("  slots.finish(acc);\n", "  ASTAMP(sb, 4);\n", before=True)
     put("  slots.finish(acc);\n", "  ASTAMP(sb, 5);\n")
@@ -65,6 +73,14 @@ def stamped_source(source: str) -> str:
         before=True)
     put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 1);\n")
     put("const float* scratch, float* y", ", unsigned long long* att")
+    if twice:
+        for call in ("      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots,",
+                     "    attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end,"):
+            start = source.index(call)
+            first = source[start:source.index(";\n", start) + 2]
+            put(first, first.replace(", sb);", ", -1);"), before=True)
+        combine = "      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n"
+        put(combine, combine + "      ASTAMP(sb, 11);\n", before=True)
     put("  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);\n  for (int pair = warp;",
         f"  g_att = att;\n  for (int i = threadIdx.x; i < {SLOTS}; i += blockDim.x) att[blockIdx.x * {SLOTS} + i] = 0;\n",
         before=True)
@@ -75,24 +91,25 @@ def report(position: int, label: str, stamps: list[mx.array], blocks: int) -> No
     layers = [np.array(a).reshape(blocks, SLOTS).astype(np.int64) for a in stamps]
     print(f"position {position}, {label}: cycles from the item's start, median over layers")
     for base, name in ((FIRST_RUN, "first run"), (LAST_RUN, "last run (new slot)")):
-        rows = [t[b, base:base + 10] - t[b, base] for t in layers for b in np.nonzero(t[:, base])[0][:1]]
+        rows = [t[b, base + np.array([k for _, k in PHASES])] - t[b, base]
+                for t in layers for b in np.nonzero(t[:, base])[0][:1]]
         if not rows:
             continue
-        phases = np.array(rows)[:, 1:]
-        medians = [int(np.median(c[c >= 0])) if (c >= 0).any() else -1 for c in phases.T]
-        print(f"  {name:20s} " + "  ".join(f"{n} {m}" for n, m in zip(PHASES, medians)))
+        medians = [int(np.median(c[c >= 0])) if (c >= 0).any() else -1 for c in np.array(rows).T]
+        print(f"  {name:20s} " + "  ".join(f"{n} {m}" for (n, _), m in zip(PHASES, medians) if m >= 0))
     stored = [t[b, STORE + 1] - t[b, STORE] for t in layers for b in np.nonzero(t[:, STORE])[0][:1]]
     if stored:
         print(f"  store_fresh (one warp): {int(np.median(stored))} cycles")
 
 
 def main():
-    args = arguments(__doc__, "100,1024")
+    args = arguments(__doc__, "100,1024", twice="each run and each combining done twice, stamps of the second")
+    rewrite = partial(stamped_source, twice=args.twice)
     if args.header_only:
-        print(stamped_source(kernels.HEADER))
+        print(rewrite(kernels.HEADER))
         return
-    label = f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache"
-    for position, stamps, blocks in instrumented_steps("attention_stamps.py", args, stamped_source, "att", SLOTS):
+    label = (f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache") + (", twice" if args.twice else "")
+    for position, stamps, blocks in instrumented_steps("attention_stamps.py", args, rewrite, "att", SLOTS):
         report(position, label, stamps, blocks)
 
 

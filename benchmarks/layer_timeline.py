@@ -89,13 +89,16 @@ def instrumented_steps(script: str, args: argparse.Namespace, rewrite: Callable[
             yield position, collected, blocks
 
 
-def arguments(doc: str, positions: str) -> argparse.Namespace:
-    """The options both instrumenting scripts take: MODEL, --positions, --kv-bits, --header-only."""
+def arguments(doc: str, positions: str, **switches: str) -> argparse.Namespace:
+    """The options both instrumenting scripts take: MODEL, --positions, --kv-bits, --header-only; and
+    a script's own on/off options, each switch's name with its help."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("model", nargs="?")
     parser.add_argument("--positions", default=positions)
     parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
     parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
+    for name, help in switches.items():
+        parser.add_argument(f"--{name}", action="store_true", help=help)
     args = parser.parse_args()
     if not args.header_only and args.model is None:
         parser.error("MODEL is required")

@@ -32,9 +32,20 @@ def test_attention_stamps_mark_each_phase_of_an_attention_item_in_order():
     # The item's phases 0, 1, 6-9 around attention_run's 2-5, in the order report() reads them.
     assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", items)] == [0, 1, 6, 7, 8, 9]
     run = stamped.split("__device__ void attention_run(")[1].split("__device__")[0]
-    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 3, 4, 5]
+    # 10: the end of the run's first chunk, inside the loop over its chunks.
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 10, 3, 4, 5]
     assert items.count(", sb);") == 2  # both calls of attention_run pass the item's stamps on
     assert "unsigned long long* att) {" in stamped
+
+
+def test_attention_stamps_twice_makes_each_run_and_combining_twice_stamping_the_second():
+    stamped = run_script("benchmarks/attention_stamps.py", "--header-only", "--twice")
+    items = stamped.split("__device__ void attention_items(")[1].split("__device__ void reset_runs_done(")[0]
+    calls = re.findall(r"attention_run<HEAD_DIM, QH>\(.*?, (-1|sb)\);", items, re.S)
+    assert calls == ["-1", "sb", "-1", "sb"]  # each call first unstamped, then stamped
+    combining = items.split("for (int h = rank; h < QH; h += combiners) {")[1].split("\n    }\n")[0]
+    assert combining.count("combine_runs<HEAD_DIM>(") == 2 and "ASTAMP(sb, 11);" in combining
+    assert combining.index("ASTAMP(sb, 11);") < combining.rindex("combine_runs<HEAD_DIM>(")
 
 
 def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
