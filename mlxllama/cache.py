@@ -61,7 +61,7 @@ class KVQuantization:
         if self.start < 0:
             raise MlxLlamaError(f"--quantized-kv-start must be 0 or more, not {self.start}")
         # Two groups a head at least where the head allows: MLX's CUDA quantized product has no kernel
-        # for heads of one group (models.transformer.explicit_attention dequantizes those).
+        # for heads of one group (Block.attention in models.transformer dequantizes those).
         group_size = self.group_size or (64 if head_dim >= 128 and head_dim % 64 == 0 else 32)
         if group_size not in self.GROUP_SIZES:
             raise MlxLlamaError(f"--kv-group-size must be 32, 64 or 128, not {group_size}")

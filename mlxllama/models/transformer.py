@@ -165,12 +165,19 @@ class Block(nn.Module):
             weights = attention_weights(q, keys, self._attention_scale, mask)
             self._attention_probe.append(weights)
             out = weights_times_values(weights, values)
-        elif isinstance(k, tuple):  # stored quantized: MLX's fused kernel does not read that
+        elif isinstance(k, tuple) and quantized_products_run(q.shape[-1], cache.quantization):
+            # Stored quantized, which MLX's fused kernel does not read: its quantized products do.
             out = explicit_attention(q, k, v, self._attention_scale, mask, cache.quantization)
-        elif self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
-            out = explicit_attention(q, k, v, self._attention_scale, mask)
-        else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
+        else:
+            if isinstance(k, tuple):
+                # No quantized product takes these: the values decoded, then attended as a plain
+                # cache's are (the cache stays small; the step reads more). An explicit product
+                # here would hold every score of a long prefill at depth in float32.
+                k, v = cache.quantization.decode(k, v)
+            if self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
+                out = explicit_attention(q, k, v, self._attention_scale, mask)
+            else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def rope(self, x: mx.array, position) -> mx.array:
@@ -400,12 +407,10 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
                        quantization: KVQuantization | None = None) -> mx.array:
     """Softmax attention as matrix products: q [batch, heads, length, head_dim] against k and v
     [batch, kv_heads, keys, head_dim], or against keys and values stored with `quantization` (by
-    MLX's quantized products, as mlx-lm attends its quantized cache); `mask` as the fused kernel
-    takes it (None, "causal", or booleans broadcasting to [batch, heads, length, keys]). Scores
-    and softmax in float32, but for a quantized cache's scores, which are in q's type."""
-    if quantization and not quantized_products_run(q.shape[-1], quantization):
-        # The same values through plain products: the cache stays small, the step reads more.
-        (k, v), quantization = quantization.decode(k, v), None
+    MLX's quantized products, as mlx-lm attends its quantized cache, where quantized_products_run);
+    `mask` as the fused kernel takes it (None, "causal", or booleans broadcasting to [batch, heads,
+    length, keys]). Scores and softmax in float32, but for a quantized cache's scores, which are in
+    q's type."""
     if not quantization:
         return weights_times_values(attention_weights(q, k, scale, mask), v)
     batch, heads, length, head_dim = q.shape

@@ -134,6 +134,25 @@ def test_keys_at_8_bits_beside_4_bit_values_equal_their_round_trip_pass(name):
     assert float(mx.abs(got - unquantized).mean()) < 0.75 * float(mx.abs(four - unquantized).mean())
 
 
+@pytest.mark.parametrize("chunk", [1, 37])
+def test_heads_of_two_groups_dequantized_as_on_cuda_equal_the_round_trip_pass(monkeypatch, chunk):
+    """MLX's CUDA build has no quantized product for attention's shapes, so there every quantized
+    cache is decoded and attended as an unquantized one: that route, taken here on the CPU by a
+    model whose heads hold two groups (which the quantized products take on the CPU)."""
+    from mlxllama.models import transformer
+
+    rt = quantized("qwen3-tiny-Q4_K_M.gguf", 8)
+    assert transformer.quantized_products_run(rt.config.head_dim, rt.model.kv_quantization)
+    monkeypatch.setattr(transformer, "quantized_products_run", lambda *args: False)
+    # not the explicit products (whose float32 scores of a long prefill at depth would be held at once)
+    monkeypatch.setattr(transformer, "explicit_attention", lambda *args: pytest.fail("an explicit product ran"))
+    ids = rt.tokenize(TEXT)[: 90 if chunk == 1 else 300]
+    kv = rt.model.make_cache()
+    got = chunked(rt, ids, chunk, kv)
+    assert all(layer.quantized and layer.offset == len(ids) for layer in kv)
+    assert_close(got, reference(rt, ids, rt.model.kv_quantization))
+
+
 def test_the_first_positions_stay_full_precision_until_the_start():
     rt = quantized("chat-tiny-Q4_K_M.gguf", 4, start=100)
     ids = rt.tokenize(TEXT)[:250]
@@ -233,8 +252,10 @@ def test_settings_mlx_cannot_quantize_with_are_one_line_errors():
 def test_quantized_attention_matches_the_dequantized_product():
     """The attention itself, without a model: GQA heads, a ragged boolean mask, both bit widths and keys
     wider than values; heads of two groups, so that MLX's quantized products run (not dequantized)."""
-    from mlxllama.models.transformer import explicit_attention
+    from mlxllama.models.transformer import explicit_attention, quantized_products_run
 
+    if not quantized_products_run(128, KVQuantization(8, 64)):
+        pytest.skip("MLX's CUDA build has no quantized product for attention's shapes")
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.normal(size=shape).astype(np.float32)) for shape in
                ((2, 6, 5, 128), (2, 2, 40, 128), (2, 2, 40, 128)))
