@@ -34,9 +34,10 @@ from layer_timeline import arguments, instrumented_steps  # noqa: E402 - a sibli
 SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
 FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
 # Each phase's end as the stamp after the item's start (stamp 0) that marks it, in the order they come.
-PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk done", 10), ("chunks done", 3),
-          ("new slot done", 4), ("finish done", 5), ("run written", 6), ("arrived", 7), ("waited", 8),
-          ("first combining done", 11), ("combined", 9)]
+PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk scored", 12), ("its weights", 13),
+          ("first chunk done", 10), ("chunks done", 3), ("new slot done", 4), ("finish done", 5),
+          ("run written", 6), ("arrived", 7), ("waited", 8), ("first combining done", 11),
+          ("largest score", 14), ("runs summed", 15), ("combined", 9)]
 
 
 def stamped_source(source: str, twice: bool = False) -> str:
@@ -54,7 +55,14 @@ def stamped_source(source: str, twice: bool = False) -> str:
         f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n", before=True)
     put("float* out, int out_stride, bool whole", ", int sb = -1")
     put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
+    put("      slots.score(slot, q, q_sums, score);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 12);\n")
+    put("    if (slot < cached_end) {\n      slots.add_value_biases(slot, p);", "    if (chunk == begin) ASTAMP(sb, 13);\n",
+        before=True)
     put("      slots.add_values(acc, p, t, dims[t]);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 10);\n")
+    put("__device__ void combine_runs(const float* partials, int splits, float* out", ", int sb = -1")
+    put("  float num[dims];\n", "  ASTAMP(sb, 14);\n", before=True)
+    put("#pragma unroll\n  for (int j = 0; j < dims; ++j) {\n#pragma unroll\n    for (int offset = 16; offset >= 32 / sets;",
+        "  ASTAMP(sb, 15);\n", before=True)
     put("  if constexpr (Slots::quantized) {\n    if (fresh_last) {", "  ASTAMP(sb, 3);\n", before=True)
     put("  slots.finish(acc);\n", "  ASTAMP(sb, 4);\n", before=True)
     put("  slots.finish(acc);\n", "  ASTAMP(sb, 5);\n")
@@ -81,6 +89,7 @@ def stamped_source(source: str, twice: bool = False) -> str:
             put(first, first.replace(", sb);", ", -1);"), before=True)
         combine = "      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n"
         put(combine, combine + "      ASTAMP(sb, 11);\n", before=True)
+    source = source.replace("attn + (seq_head + h) * HEAD_DIM);\n", "attn + (seq_head + h) * HEAD_DIM, sb);\n")
     put("  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);\n  for (int pair = warp;",
         f"  g_att = att;\n  for (int i = threadIdx.x; i < {SLOTS}; i += blockDim.x) att[blockIdx.x * {SLOTS} + i] = 0;\n",
         before=True)

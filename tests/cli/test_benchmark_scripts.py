@@ -32,9 +32,11 @@ def test_attention_stamps_mark_each_phase_of_an_attention_item_in_order():
     # The item's phases 0, 1, 6-9 around attention_run's 2-5, in the order report() reads them.
     assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", items)] == [0, 1, 6, 7, 8, 9]
     run = stamped.split("__device__ void attention_run(")[1].split("__device__")[0]
-    # 10: the end of the run's first chunk, inside the loop over its chunks.
-    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 10, 3, 4, 5]
-    assert items.count(", sb);") == 2  # both calls of attention_run pass the item's stamps on
+    # Inside the loop over its chunks, for the first: scored (12), weighted (13) and done (10).
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 12, 13, 10, 3, 4, 5]
+    combine = stamped.split("__device__ void combine_runs(")[1].split("__device__")[0]
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", combine)] == [14, 15]  # largest score, runs summed
+    assert items.count(", sb);") == 3  # both calls of attention_run, and combine_runs', pass the item's stamps on
     assert "unsigned long long* att) {" in stamped
 
 
