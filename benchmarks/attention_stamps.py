@@ -34,10 +34,10 @@ from layer_timeline import arguments, instrumented_steps  # noqa: E402 - a sibli
 SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
 FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
 # Each phase's end as the stamp after the item's start (stamp 0) that marks it, in the order they come.
-PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk scored", 12), ("its weights", 13),
-          ("first chunk done", 10), ("chunks done", 3), ("new slot done", 4), ("finish done", 5),
-          ("run written", 6), ("arrived", 7), ("waited", 8), ("first combining done", 11),
-          ("largest score", 14), ("runs summed", 15), ("combined", 9)]
+PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk scored", 12),
+          ("first chunk weighted", 13), ("first chunk done", 10), ("chunks done", 3), ("new slot done", 4),
+          ("finish done", 5), ("run written", 6), ("arrived", 7), ("waited", 8),
+          ("first combining done", 11), ("largest score", 14), ("runs summed", 15), ("combined", 9)]
 
 
 def stamped_source(source: str, twice: bool = False) -> str:
@@ -89,7 +89,10 @@ def stamped_source(source: str, twice: bool = False) -> str:
             put(first, first.replace(", sb);", ", -1);"), before=True)
         combine = "      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n"
         put(combine, combine + "      ASTAMP(sb, 11);\n", before=True)
-    source = source.replace("attn + (seq_head + h) * HEAD_DIM);\n", "attn + (seq_head + h) * HEAD_DIM, sb);\n")
+    combining = "attn + (seq_head + h) * HEAD_DIM);\n"
+    if combining not in source:
+        raise SystemExit(f"attention_stamps.py: the kernels have changed: {combining.strip()!r} not found")
+    source = source.replace(combining, combining.replace(");", ", sb);"))  # each call of combine_runs (two with --twice)
     put("  stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);\n  for (int pair = warp;",
         f"  g_att = att;\n  for (int i = threadIdx.x; i < {SLOTS}; i += blockDim.x) att[blockIdx.x * {SLOTS} + i] = 0;\n",
         before=True)
