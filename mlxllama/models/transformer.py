@@ -160,24 +160,23 @@ class Block(nn.Module):
             q, k = self.rope(q, position), self.rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+        if isinstance(k, tuple) and (self._attention_probe is not None
+                                     or not quantized_products_run(q.shape[-1], cache.quantization)):
+            # Stored quantized where no quantized product takes them (or the probe needs the weights):
+            # the values decoded, then attended as a plain cache's are (the cache stays small; the
+            # step reads more). An explicit product here would hold every score of a long prefill
+            # at depth in float32.
+            k, v = cache.quantization.decode(k, v)
         if self._attention_probe is not None:
-            keys, values = cache.quantization.decode(k, v) if isinstance(k, tuple) else (k, v)
-            weights = attention_weights(q, keys, self._attention_scale, mask)
+            weights = attention_weights(q, k, self._attention_scale, mask)
             self._attention_probe.append(weights)
-            out = weights_times_values(weights, values)
-        elif isinstance(k, tuple) and quantized_products_run(q.shape[-1], cache.quantization):
-            # Stored quantized, which MLX's fused kernel does not read: its quantized products do.
+            out = weights_times_values(weights, v)
+        elif isinstance(k, tuple):  # stored quantized, which the fused kernel does not read: quantized products do
             out = explicit_attention(q, k, v, self._attention_scale, mask, cache.quantization)
-        else:
-            if isinstance(k, tuple):
-                # No quantized product takes these: the values decoded, then attended as a plain
-                # cache's are (the cache stays small; the step reads more). An explicit product
-                # here would hold every score of a long prefill at depth in float32.
-                k, v = cache.quantization.decode(k, v)
-            if self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
-                out = explicit_attention(q, k, v, self._attention_scale, mask)
-            else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
-                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
+        elif self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
+            out = explicit_attention(q, k, v, self._attention_scale, mask)
+        else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def rope(self, x: mx.array, position) -> mx.array:
