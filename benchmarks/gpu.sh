@@ -83,12 +83,18 @@ payload() {
     # Each call carries the working tree and one part within 64 MiB: the parts take what the tree leaves.
     tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 cat 2>/dev/null | wc -c)
     part=$((64 * 1024 * 1024 - tree - 1000000))
+    if [ "$part" -le 0 ]; then
+        echo "gpu.sh payload: the tree that travels is $tree bytes, leaving no room in a call's 64 MiB;" \
+            "leave tests/fixtures out of the index first (docs/maintaining.md, 'The GPU')" >&2
+        exit 2
+    fi
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
         --platform any -d "$tmp/dl" \
         mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0 llguidance==1.9.1 \
-        jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
+        jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
+        pytest-xdist==3.8.0 execnet==2.1.2
     mkdir -p "$tmp/site"
     for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
