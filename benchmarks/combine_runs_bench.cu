@@ -1,0 +1,101 @@
+// combine_runs (mlxllama/cuda/decode_step.cu) timed by itself: one warp combining a head's runs on
+// an otherwise idle H100, to tell the cost of its code from that of the layer kernel around it
+// (benchmarks/attention_stamps.py times it inside the kernel). A CUDA program of its own:
+//
+//     nvcc -std=c++17 -O3 -arch=sm_90 -o combine_runs_bench benchmarks/combine_runs_bench.cu
+//     ./combine_runs_bench        # on the GPU machine: needs no MLX, only the driver
+//
+// Results: benchmarks/results/h100-attention-depth/combine-microbench/.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include "../mlxllama/cuda/decode_step.cu"
+#include <cstdio>
+#include <vector>
+#include <algorithm>
+constexpr int HD = 64, STRIDE = HD + 2;
+
+// combine_runs' first pass (largest score and sum over the runs, reduced across the warp), alone.
+__device__ void first_pass(const float* partials, int splits, float* out) {
+  const int lane = threadIdx.x % 32;
+  float top = negative_infinity(), den = 0.0f;
+  for (int s = lane; s < splits; s += 32) {
+    const float m = __ldcg(partials + s * STRIDE + HD), l = __ldcg(partials + s * STRIDE + HD + 1);
+    const float new_top = fmaxf(top, m);
+    den = den * expf(top - new_top) + l * expf(m - new_top);
+    top = new_top;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_top = __shfl_xor_sync(0xffffffff, top, offset);
+    const float other_den = __shfl_xor_sync(0xffffffff, den, offset);
+    const float new_top = fmaxf(top, other_top);
+    den = (den > 0.0f ? den * expf(top - new_top) : 0.0f) + (other_den > 0.0f ? other_den * expf(other_top - new_top) : 0.0f);
+    top = new_top;
+  }
+  if (lane == 0) { out[HD] = top; out[HD + 1] = den; }
+}
+
+// One warp (block 0's first) combines `runs` runs of one head, alone on the GPU. mode 0: the runs
+// are written in this launch by the first warp of blocks 0..runs-1, each fenced and counted, and the
+// combining warp waits for the count and fences, as attention_items does; mode 1: the host wrote
+// them before the launch (no wait, no fence); mode 2: as 0 without the fence after the wait.
+// Stamps: the wait and fence, the first pass alone, then combine_runs twice.
+__global__ void bench(float* partials, float* out, unsigned int* done, long long* stamps, int runs, int mode) {
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, b = blockIdx.x;
+  if (w != 0) return;
+  if (mode != 1 && b < runs) {
+    float* p = partials + b * STRIDE;
+    for (int d = lane; d < STRIDE; d += 32) p[d] = d < HD ? 0.01f * d + b : (d == HD ? 0.25f * (b % 7) : 1.0f + b);
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(done, 1u);
+  }
+  if (b != 0) return;
+  long long t0 = clock64();
+  if (mode != 1) {
+    if (lane == 0) {
+      unsigned int seen;
+      do {
+        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(done) : "memory");
+      } while (seen < static_cast<unsigned int>(runs));
+    }
+    __syncwarp();
+    if (mode != 2) __threadfence();
+  }
+  long long t1 = clock64();
+  first_pass(partials, runs, out + 128);
+  long long t2 = clock64();
+  combine_runs<HD>(partials, runs, out);
+  long long t3 = clock64();
+  combine_runs<HD>(partials, runs, out + 256);
+  long long t4 = clock64();
+  if (lane == 0) { stamps[0] = t1 - t0; stamps[1] = t2 - t1; stamps[2] = t3 - t2; stamps[3] = t4 - t3; }
+}
+
+int main() {
+  float *partials, *out; unsigned int* done; long long* stamps;
+  cudaMalloc(&partials, 132 * STRIDE * sizeof(float)); cudaMalloc(&out, 1024 * sizeof(float));
+  cudaMalloc(&done, sizeof(unsigned int)); cudaMalloc(&stamps, 4 * sizeof(long long));
+  std::vector<float> host(132 * STRIDE);
+  for (int b = 0; b < 132; ++b) for (int d = 0; d < STRIDE; ++d) host[b * STRIDE + d] = d < HD ? 0.01f * d + b : (d == HD ? 0.25f * (b % 7) : 1.0f + b);
+  const char* names[] = {"written this launch, fence", "written by the host", "written this launch, no fence"};
+  for (int runs : {4, 32, 128}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      std::vector<long long> s[4];
+      for (int rep = 0; rep < 41; ++rep) {
+        cudaMemcpy(partials, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+        cudaMemset(done, 0, sizeof(unsigned int));
+        bench<<<132, 512>>>(partials, out, done, stamps, runs, mode);
+        long long h[4];
+        cudaError_t e = cudaMemcpy(h, stamps, sizeof(h), cudaMemcpyDeviceToHost);
+        if (e != cudaSuccess) { printf("error %s\n", cudaGetErrorString(e)); return 1; }
+        if (rep > 0) for (int i = 0; i < 4; ++i) s[i].push_back(h[i]);
+      }
+      for (auto& v : s) std::sort(v.begin(), v.end());
+      printf("runs %3d, %-32s wait+fence %6lld  first pass %6lld  combine_runs %6lld  again %6lld  (medians of 40, cycles)\n",
+             runs, names[mode], s[0][20], s[1][20], s[2][20], s[3][20]);
+    }
+  }
+  return 0;
+}
