@@ -15,27 +15,6 @@
 #include <algorithm>
 constexpr int HD = 64, STRIDE = HD + 2;
 
-// combine_runs' first pass (largest score and sum over the runs, reduced across the warp), alone.
-__device__ void first_pass(const float* partials, int splits, float* out) {
-  const int lane = threadIdx.x % 32;
-  float top = negative_infinity(), den = 0.0f;
-  for (int s = lane; s < splits; s += 32) {
-    const float m = __ldcg(partials + s * STRIDE + HD), l = __ldcg(partials + s * STRIDE + HD + 1);
-    const float new_top = fmaxf(top, m);
-    den = den * expf(top - new_top) + l * expf(m - new_top);
-    top = new_top;
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other_top = __shfl_xor_sync(0xffffffff, top, offset);
-    const float other_den = __shfl_xor_sync(0xffffffff, den, offset);
-    const float new_top = fmaxf(top, other_top);
-    den = (den > 0.0f ? den * expf(top - new_top) : 0.0f) + (other_den > 0.0f ? other_den * expf(other_top - new_top) : 0.0f);
-    top = new_top;
-  }
-  if (lane == 0) { out[HD] = top; out[HD + 1] = den; }
-}
-
 // One warp (block 0's first) combines `runs` runs of one head, alone on the GPU. mode 0: the runs
 // are written in this launch by the first warp of blocks 0..runs-1, each fenced and counted, and the
 // combining warp waits for the count and fences, as attention_items does; mode 1: the host wrote
@@ -64,7 +43,12 @@ __global__ void bench(float* partials, float* out, unsigned int* done, long long
     if (mode != 2) __threadfence();
   }
   long long t1 = clock64();
-  first_pass(partials, runs, out + 128);
+  float top, den;
+  largest_score_and_sum<HD>(partials, runs, top, den);
+  if (lane == 0) {
+    out[128] = top;
+    out[129] = den;
+  }
   long long t2 = clock64();
   combine_runs<HD>(partials, runs, out);
   long long t3 = clock64();

@@ -906,16 +906,14 @@ __host__ __device__ constexpr int combine_sets(int head_dim) {
   return sets;
 }
 
-// One warp combines a head's runs (partials [splits][HEAD_DIM + 2], none empty) into its output.
-// The lanes are split into sets that each take every sets-th run, a lane a few dims of them, so
-// that a lane's loads of several runs are in flight together; the sets' sums are added by shuffles.
+// The largest score over a head's runs (partials [splits][HEAD_DIM + 2]) and the sum of
+// exponentials scaled to it, in one pass, reduced across the warp: every lane gets both.
 template <int HEAD_DIM>
-__device__ void combine_runs(const float* partials, int splits, float* out) {
-  constexpr int stride = HEAD_DIM + 2, sets = combine_sets(HEAD_DIM), dims = HEAD_DIM * sets / 32;
-  static_assert(dims % 2 == 0, "dims in pairs (float2 loads)");
-  const int lane = threadIdx.x % 32, set = lane / (32 / sets), first = lane % (32 / sets) * dims;
-  // The largest score and the sum of exponentials scaled to it, over every run, in one pass.
-  float top = negative_infinity(), den = 0.0f;
+__device__ void largest_score_and_sum(const float* partials, int splits, float& top, float& den) {
+  constexpr int stride = HEAD_DIM + 2;
+  const int lane = threadIdx.x % 32;
+  top = negative_infinity();
+  den = 0.0f;
   for (int s = lane; s < splits; s += 32) {
     const float m = __ldcg(partials + s * stride + HEAD_DIM), l = __ldcg(partials + s * stride + HEAD_DIM + 1);
     const float new_top = fmaxf(top, m);
@@ -931,6 +929,18 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
     den = (den > 0.0f ? den * expf(top - new_top) : 0.0f) + (other_den > 0.0f ? other_den * expf(other_top - new_top) : 0.0f);
     top = new_top;
   }
+}
+
+// One warp combines a head's runs (partials [splits][HEAD_DIM + 2], none empty) into its output.
+// The lanes are split into sets that each take every sets-th run, a lane a few dims of them, so
+// that a lane's loads of several runs are in flight together; the sets' sums are added by shuffles.
+template <int HEAD_DIM>
+__device__ void combine_runs(const float* partials, int splits, float* out) {
+  constexpr int stride = HEAD_DIM + 2, sets = combine_sets(HEAD_DIM), dims = HEAD_DIM * sets / 32;
+  static_assert(dims % 2 == 0, "dims in pairs (float2 loads)");
+  const int lane = threadIdx.x % 32, set = lane / (32 / sets), first = lane % (32 / sets) * dims;
+  float top, den;
+  largest_score_and_sum<HEAD_DIM>(partials, splits, top, den);
   float num[dims];
 #pragma unroll
   for (int j = 0; j < dims; ++j) {
