@@ -33,13 +33,7 @@ __global__ void bench(float* partials, float* out, unsigned int* done, long long
   if (b != 0) return;
   long long t0 = clock64();
   if (mode != 1) {
-    if (lane == 0) {
-      unsigned int seen;
-      do {
-        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(done) : "memory");
-      } while (seen < static_cast<unsigned int>(runs));
-    }
-    __syncwarp();
+    wait_for_count(done, runs);
     if (mode != 2) __threadfence();
   }
   long long t1 = clock64();

@@ -897,6 +897,18 @@ struct LayerCache {
   }
 };
 
+// The calling warp waits until `count` reaches `target`: lane 0 polls it with acquire loads, so the
+// writes made before each increment are seen after it.
+__device__ inline void wait_for_count(const unsigned int* count, int target) {
+  if (threadIdx.x % 32 == 0) {
+    unsigned int seen;
+    do {
+      asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    } while (seen < static_cast<unsigned int>(target));
+  }
+  __syncwarp();
+}
+
 // Sets of runs combine_runs splits a warp's lanes into: as many as keep a lane's dims at 8 or fewer.
 __host__ __device__ constexpr int combine_sets(int head_dim) {
   int sets = 1;
@@ -1036,13 +1048,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     if (rank >= combiners) {
       continue;
     }
-    if (lane == 0) {
-      unsigned int seen;
-      do {
-        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(done) : "memory");
-      } while (seen < static_cast<unsigned int>(runs));
-    }
-    __syncwarp();
+    wait_for_count(done, runs);
     __threadfence();
     for (int h = rank; h < QH; h += combiners) {
       combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);
