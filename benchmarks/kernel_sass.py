@@ -1,0 +1,97 @@
+"""The layer kernels as ptxas compiles them for an H100, on a machine without a GPU: registers, spills, SASS.
+
+    python benchmarks/kernel_sass.py [--cache plain 8 4] [--batch] [--source decode_step.cu] [--sass DIR]
+
+Wraps decode_step.cu's layer_kernel (--batch: decode_batch.cu's batch_layer_kernel, two tiles) in a
+__global__ function instantiated as step.py instantiates it for the TinyLlama-shape Q4_K_M file
+(`bench --synthetic`) on one of its layers whose V and down projections are Q6_K: the template
+arguments in TINYLLAMA below, float16 scales, float32 norms and biases, a float16 cache or, for
+`--cache 8` and `4`, keys and values of that many bits in groups of 32 (--kv-group-size's default
+for heads of 64) with float16 scales.
+MAX_RUNS is 128, as kernels.max_runs gives on an H100. Each build is `nvcc -std=c++17 -O3
+-arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
+SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
+depth"). --source compiles another copy of decode_step.cu (a variant under study) instead.
+
+Needs nvcc for CUDA 12.8 or later. cuobjdump comes with a full CUDA, or from PyPI's
+nvidia-cuda-cuobjdump wheel (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
+NVRTC, whose code generation is ptxas's too; what MLX adds around the call (its own signature) is
+not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mlxllama.cuda import kernels
+
+TINYLLAMA = dict(Q_BITS=4, Q_BIASES="true", K_BITS=4, K_BIASES="true", V_BITS=8, V_BIASES="false", BIAS="false",
+                 HEADS=32, KV_HEADS=4, HEAD_DIM=64, ROPE_DIM=64, TRADITIONAL="true", HIDDEN=2048, O_BITS=4,
+                 O_BIASES="true", GATE_BITS=4, GATE_BIASES="true", UP_BITS=4, UP_BIASES="true", DOWN_BITS=8,
+                 DOWN_BIASES="false", FFN=5632)
+CACHES = {"plain": (0, 0, 0), "8": (8, 8, 32), "4": (4, 4, 32)}  # KEY_BITS, VALUE_BITS, KV_GROUP (--kv-bits' default)
+SOURCE = Path(kernels.__file__).parent
+
+
+def wrapper(function: str, header: str, key_bits: int, value_bits: int, group: int, batch: bool) -> str:
+    """`header` and a __global__ function that calls `function` with the template arguments above."""
+    found = re.search(rf"__device__ void {function}\((.*?)\)\s*{{", header, re.S)
+    if found is None:
+        sys.exit(f"kernel_sass.py: the source has no {function}")
+    signature = found.group(1)
+    types = dict(N="float", S="__half", B="float", C="uint32_t" if key_bits else "__half", KS="__half")
+    parameters = []
+    for declaration in signature.split(","):
+        kind, name = declaration.strip().rsplit(" ", 1)
+        for letter, concrete in types.items():
+            kind = re.sub(rf"\b{letter}\b", concrete, kind)
+        parameters.append((kind, name.lstrip("*")))
+    values = dict(TINYLLAMA, KEY_BITS=key_bits, VALUE_BITS=value_bits, KV_GROUP=group)
+    arguments = [str(values[name]) for name in kernels.LAYER_TEMPLATE]
+    arguments = (["2"] + arguments + ["128"]) if batch else (arguments + [str(kernels.FFN_ROWS), "128"])
+    call = f"{function}<{', '.join(arguments + list(types.values()))}>({', '.join(n for _, n in parameters)});"
+    declared = ", ".join(f"{kind} {name}" for kind, name in parameters)
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n{header}\n"
+            f"__global__ void instantiated({declared}) {{ {call} }}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", nargs="+", choices=list(CACHES), default=list(CACHES))
+    parser.add_argument("--batch", action="store_true", help="batch_layer_kernel instead of layer_kernel")
+    parser.add_argument("--source", type=Path, default=SOURCE / "decode_step.cu")
+    parser.add_argument("--sass", type=Path, help="write each build's SASS here (needs cuobjdump)")
+    args = parser.parse_args()
+    for tool in ["nvcc"] + (["cuobjdump"] if args.sass else []):
+        if shutil.which(tool) is None:
+            sys.exit(f"kernel_sass.py: {tool} not found on PATH")
+    if not args.source.is_file():
+        sys.exit(f"kernel_sass.py: {args.source}: no such file")
+    header = kernels._stripped(args.source.read_text())
+    if args.batch:
+        header += kernels._stripped((SOURCE / "decode_batch.cu").read_text())
+    function = "batch_layer_kernel" if args.batch else "layer_kernel"
+    with tempfile.TemporaryDirectory() as work:
+        for cache in args.cache:
+            unit, cubin = Path(work) / f"{cache}.cu", Path(work) / f"{cache}.cubin"
+            unit.write_text(wrapper(function, header, *CACHES[cache], args.batch))
+            build = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                                    "-o", str(cubin), str(unit)], capture_output=True, text=True)
+            if build.returncode:
+                sys.exit(f"kernel_sass.py: nvcc failed for the {cache} cache:\n{build.stderr}")
+            counts = re.findall(r"(\d+ bytes spill stores, \d+ bytes spill loads|Used \d+ registers)", build.stderr)
+            print(f"{function}, {cache} cache: {'; '.join(counts)}")
+            if args.sass:
+                args.sass.mkdir(parents=True, exist_ok=True)
+                sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True)
+                (args.sass / f"{function}-{cache}.sass").write_text(sass.stdout)
+
+
+if __name__ == "__main__":
+    main()
