@@ -8,7 +8,8 @@ __global__ function instantiated as step.py instantiates it for the TinyLlama-sh
 arguments in TINYLLAMA below, float16 scales, float32 norms and biases, a float16 cache or, for
 `--cache 8` and `4`, keys and values of that many bits in groups of 32 (--kv-group-size's default
 for heads of 64) with float16 scales.
-MAX_RUNS is 128, as kernels.max_runs gives on an H100. Each build is `nvcc -std=c++17 -O3
+MAX_RUNS is what kernels.max_runs gives on an H100's 132 SMs (one sequence, or the batch kernel's
+16). Each build is `nvcc -std=c++17 -O3
 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
 depth"). --source compiles another copy of decode_step.cu (a variant under study) instead.
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from mlxllama.cuda import kernels
 
@@ -35,6 +37,7 @@ TINYLLAMA = dict(Q_BITS=4, Q_BIASES="true", K_BITS=4, K_BIASES="true", V_BITS=8,
                  HEADS=32, KV_HEADS=4, HEAD_DIM=64, ROPE_DIM=64, TRADITIONAL="true", HIDDEN=2048, O_BITS=4,
                  O_BIASES="true", GATE_BITS=4, GATE_BIASES="true", UP_BITS=4, UP_BIASES="true", DOWN_BITS=8,
                  DOWN_BIASES="false", FFN=5632)
+H100_SMS = 132  # layer_kernel's grid: one block an SM
 CACHES = {"plain": (0, 0, 0), "8": (8, 8, 32), "4": (4, 4, 32)}  # KEY_BITS, VALUE_BITS, KV_GROUP (--kv-bits' default)
 SOURCE = Path(kernels.__file__).parent
 
@@ -54,7 +57,13 @@ def wrapper(function: str, header: str, key_bits: int, value_bits: int, group: i
         parameters.append((kind, name.lstrip("*")))
     values = dict(TINYLLAMA, KEY_BITS=key_bits, VALUE_BITS=value_bits, KV_GROUP=group)
     arguments = [str(values[name]) for name in kernels.LAYER_TEMPLATE]
-    arguments = (["2"] + arguments + ["128"]) if batch else (arguments + [str(kernels.FFN_ROWS), "128"])
+    shape = SimpleNamespace(n_heads=TINYLLAMA["HEADS"], n_kv_heads=TINYLLAMA["KV_HEADS"])
+    if batch:  # two tiles of sequences, as step.py's _batch_layer takes 16
+        runs = kernels.max_runs(H100_SMS, shape, 2 * kernels.SEQ_TILE)
+        arguments = ["2"] + arguments + [str(runs)]
+    else:
+        runs = kernels.max_runs(H100_SMS, shape, quantized=key_bits > 0)
+        arguments = arguments + [str(kernels.FFN_ROWS), str(runs)]
     call = f"{function}<{', '.join(arguments + list(types.values()))}>({', '.join(n for _, n in parameters)});"
     declared = ", ".join(f"{kind} {name}" for kind, name in parameters)
     return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n{header}\n"
