@@ -1,7 +1,7 @@
 """Where one attention item's time goes inside a layer_kernel launch (CUDA only): cycle stamps in its runs.
 
-    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8] [--twice]
-    python benchmarks/attention_stamps.py --header-only [--twice] > stamped.cu   # to compile-check it
+    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8] [--twice | --l2-probe]
+    python benchmarks/attention_stamps.py --header-only [--twice | --l2-probe] > stamped.cu   # to compile-check it
 
 Builds the one-sequence kernel step from a copy of the kernels' source in which lane 0 of the warp that
 takes head group 0's first run of slots, and of the warp that takes its last run (the one ending at
@@ -14,6 +14,13 @@ did not reach is left out (a run that combines no head waits for none).
 --twice: every run of slots, and every combining of a head's runs, done twice in a row, the stamps
 marking the second (and the first combining's end): whether a phase is slow because its code runs
 cold on its SM (it is not: docs/benchmarks.md, "Attention at depth").
+
+--l2-probe: the stamped warps also time eight reads from L2 of one line of their group's partial
+results, each read's address waiting on the value the one before returned: at the item's start,
+and again once the combining warps have waited for the group's runs. It prints a read's round trip
+at each (the eight reads' time over 8; in ptxas's build the last stamp follows the test of the
+eighth read's value), to tell a slow memory system inside the kernel from slow code. Those reads
+delay the probed warps' items, so the phases' times mean less in that mode.
 """
 
 from __future__ import annotations
@@ -31,8 +38,22 @@ from mlxllama.errors import MlxLlamaError
 sys.path.insert(0, str(Path(__file__).parent))
 from layer_timeline import arguments, instrumented_steps  # noqa: E402 - a sibling script
 
-SLOTS = 64  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 56 and 57
-FIRST_RUN, LAST_RUN, STORE = 16, 40, 56
+SLOTS = 80  # stamps a block: the first run's from 16, the last run's from 40, store_fresh's at 72 and 73
+FIRST_RUN, LAST_RUN, STORE = 16, 40, 72
+# --l2-probe's stamps of a run: around its reads at the item's start, and after the wait.
+PROBES = [("at the item's start", 18), ("after the wait", 16)]
+PROBE_READS = (
+    "// Eight L2 reads of p, each one's address waiting on the value the last returned (v != v is\n"
+    "// false for a finite value), between stamps k and k + 1; p is used after, so the reads stay.\n"
+    "__device__ void l2_round_trips(const float* p, int base, int k) {\n"
+    "  ASTAMP(base, k);\n"
+    "  for (int i = 0; i < 8; ++i) {\n"
+    "    const float v = __ldcg(p);\n"
+    "    p += v != v;\n"
+    "  }\n"
+    "  ASTAMP(base, k + 1);\n"
+    f"  if (g_att != nullptr && __ldcg(p) == 1.5e-38f) g_att[blockIdx.x * {SLOTS}] = 0;  // slot 0: unused\n"
+    "}\n")
 # Each phase's end as the stamp after the item's start (stamp 0) that marks it, in the order they come.
 PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk scored", 12),
           ("first chunk weighted", 13), ("first chunk done", 10), ("chunks done", 3), ("new slot done", 4),
@@ -40,9 +61,10 @@ PHASES = [("queries staged", 1), ("run entered", 2), ("first chunk scored", 12),
           ("first combining done", 11), ("largest score", 14), ("runs summed", 15), ("combined", 9)]
 
 
-def stamped_source(source: str, twice: bool = False) -> str:
+def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str:
     """The kernels' header (kernels.HEADER) with the stamps, and the layer kernel's extra output
-    `att`, written in; with `twice`, each attention_run and combine_runs call made twice."""
+    `att`, written in; with `twice`, each attention_run and combine_runs call made twice; with
+    `probe`, the round trips to L2 timed (l2_round_trips) at an item's start and after the wait."""
     def put(anchor: str, text: str, before: bool = False) -> None:
         nonlocal source
         if source.count(anchor) != 1:
@@ -52,7 +74,8 @@ def stamped_source(source: str, twice: bool = False) -> str:
     put("__device__ inline void grid_barrier(",
         "__device__ unsigned long long* g_att;\n"
         f"#define ASTAMP(base, k) do {{ if (g_att != nullptr && (base) >= 0 && threadIdx.x % 32 == 0) "
-        f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n", before=True)
+        f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n" + (PROBE_READS if probe else ""),
+        before=True)
     put("float* out, int out_stride, bool whole", ", int sb = -1")
     put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
     put("      slots.score(slot, q, q_sums, score);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 12);\n")
@@ -77,6 +100,10 @@ def stamped_source(source: str, twice: bool = False) -> str:
     put("    for (int h = rank; h < QH; h += combiners) {\n      combine_runs", "    ASTAMP(sb, 8);\n", before=True)
     put("      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n    }\n",
         "    ASTAMP(sb, 9);\n")
+    if probe:
+        put("    ASTAMP(sb, 0);\n", f"    if (sb >= 0) l2_round_trips(partials + static_cast<size_t>(seq_head) * stride + HEAD_DIM, "
+            f"sb, {PROBES[0][1]});\n")
+        put("    ASTAMP(sb, 8);\n", f"    if (sb >= 0) l2_round_trips(group_partials + HEAD_DIM, sb, {PROBES[1][1]});\n")
     put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 0);\n",
         before=True)
     put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 1);\n")
@@ -109,18 +136,27 @@ def report(position: int, label: str, stamps: list[mx.array], blocks: int) -> No
             continue
         medians = [int(np.median(c[c >= 0])) if (c >= 0).any() else -1 for c in np.array(rows).T]
         print(f"  {name:20s} " + "  ".join(f"{n} {m}" for (n, _), m in zip(PHASES, medians) if m >= 0))
+    for name, k in PROBES:
+        trips = [t[b, base + k + 1] - t[b, base + k] for t in layers for base in (FIRST_RUN, LAST_RUN)
+                 for b in np.nonzero(t[:, base + k])[0][:1]]
+        if trips:
+            print(f"  an L2 read's round trip {name}: {int(np.median(trips)) // 8} cycles")
     stored = [t[b, STORE + 1] - t[b, STORE] for t in layers for b in np.nonzero(t[:, STORE])[0][:1]]
     if stored:
         print(f"  store_fresh (one warp): {int(np.median(stored))} cycles")
 
 
 def main():
-    args = arguments(__doc__, "100,1024", twice="each run and each combining done twice, stamps of the second")
-    rewrite = partial(stamped_source, twice=args.twice)
+    args = arguments(__doc__, "100,1024", twice="each run and each combining done twice, stamps of the second",
+                     l2_probe="time a read's round trip to L2 at an item's start and after the wait")
+    if args.twice and args.l2_probe:
+        raise SystemExit("attention_stamps.py: --twice and --l2-probe are measured apart: give one")
+    rewrite = partial(stamped_source, twice=args.twice, probe=args.l2_probe)
     if args.header_only:
         print(rewrite(kernels.HEADER))
         return
-    label = (f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache") + (", twice" if args.twice else "")
+    label = ((f"{args.kv_bits}-bit cache" if args.kv_bits else "unquantized cache") + (", twice" if args.twice else "")
+             + (", L2 probed" if args.l2_probe else ""))
     for position, stamps, blocks in instrumented_steps("attention_stamps.py", args, rewrite, "att", SLOTS):
         report(position, label, stamps, blocks)
 

@@ -98,7 +98,7 @@ def arguments(doc: str, positions: str, **switches: str) -> argparse.Namespace:
     parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
     parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
     for name, help in switches.items():
-        parser.add_argument(f"--{name}", action="store_true", help=help)
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help)
     args = parser.parse_args()
     if not args.header_only and args.model is None:
         parser.error("MODEL is required")

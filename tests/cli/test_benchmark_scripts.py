@@ -51,6 +51,18 @@ def test_attention_stamps_twice_makes_each_run_and_combining_twice_stamping_the_
     assert combining.index("ASTAMP(sb, 11);") < combining.rindex("combine_runs<HEAD_DIM>(")
 
 
+def test_attention_stamps_l2_probe_times_dependent_reads_at_the_start_and_after_the_wait():
+    stamped = run_script("benchmarks/attention_stamps.py", "--header-only", "--l2-probe")
+    probe = stamped.split("__device__ void l2_round_trips(")[1].split("\n}\n")[0]
+    # Each read's address depends on the value the read before returned, between stamps k and k + 1.
+    assert "p += v != v;" in probe and probe.index("ASTAMP(base, k);") < probe.index("ASTAMP(base, k + 1);")
+    items = stamped.split("__device__ void attention_items(")[1].split("__device__ void reset_runs_done(")[0]
+    calls = re.findall(r"l2_round_trips\((.*?), sb, (\d+)\);", items)
+    assert [k for _, k in calls] == ["18", "16"]  # at the item's start, then after the wait
+    assert items.index("ASTAMP(sb, 0);") < items.index("sb, 18);") and items.index("ASTAMP(sb, 8);") < items.index("sb, 16);")
+    assert "l2_round_trips" not in run_script("benchmarks/attention_stamps.py", "--header-only")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernel_sass_compiles_the_one_sequence_kernel_without_spilling():
     # ptxas's counts for the plain cache's one-sequence kernel: it fits a 512-thread block's 128
