@@ -5,19 +5,19 @@
 Wraps decode_step.cu's layer_kernel (--batch: decode_batch.cu's batch_layer_kernel, two tiles) in a
 __global__ function instantiated as step.py instantiates it for the TinyLlama-shape Q4_K_M file
 (`bench --synthetic`) on one of its layers whose V and down projections are Q6_K: the template
-arguments in TINYLLAMA below, float16 scales, float32 norms and biases, a float16 cache or, for
-`--cache 8` and `4`, keys and values of that many bits in groups of 32 (--kv-group-size's default
-for heads of 64) with float16 scales.
-MAX_RUNS is what kernels.max_runs gives on an H100's 132 SMs (one sequence, or the batch kernel's
-16). Each build is `nvcc -std=c++17 -O3
--arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
+arguments in TINYLLAMA below, the arrays' types as MLX's generated source declares them, over a
+float16 cache or, for `--cache 8` and `4`, keys and values of that many bits in groups of 32
+(--kv-group-size's default for heads of 64) with float16 scales. MAX_RUNS is what kernels.max_runs
+gives on an H100's 132 SMs (one sequence, or the batch kernel's 16). Each build is `nvcc -std=c++17
+-O3 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
 depth"). --source compiles another copy of decode_step.cu (a variant under study) instead.
 
 Needs nvcc for CUDA 12.8 or later. cuobjdump comes with a full CUDA, or from PyPI's
 nvidia-cuda-cuobjdump wheel (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
-NVRTC, whose code generation is ptxas's too; what MLX adds around the call (its own signature) is
-not here.
+NVRTC for sm_90 with no other options, whose code generation is ptxas's too; MLX's own generated
+source for the file (combine-loads/mlx-generated-source.txt in benchmarks/results), built here,
+loads the combined runs as these builds do.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def wrapper(function: str, header: str, key_bits: int, value_bits: int, group: i
     if found is None:
         sys.exit(f"kernel_sass.py: the source has no {function}")
     signature = found.group(1)
-    types = dict(N="float", S="__half", B="float", C="uint32_t" if key_bits else "__half", KS="__half")
+    # As MLX declares the arrays for that file (its generated source): float16 norms and scales,
+    # float32 biases, and a plain cache's unused scale arrays float32.
+    types = dict(N="__half", S="__half", B="float", C="uint32_t" if key_bits else "__half",
+                 KS="__half" if key_bits else "float")
     parameters = []
     for declaration in signature.split(","):
         kind, name = declaration.strip().rsplit(" ", 1)
