@@ -6,8 +6,8 @@ Wraps decode_step.cu's layer_kernel (--batch: decode_batch.cu's batch_layer_kern
 __global__ function instantiated as step.py instantiates it for the TinyLlama-shape Q4_K_M file
 (`bench --synthetic`) on one of its layers whose V and down projections are Q6_K: the template
 arguments in TINYLLAMA below, the arrays' types as MLX's generated source declares them, over a
-float16 cache or, for `--cache 8` and `4`, keys and values of that many bits in groups of 32
-(--kv-group-size's default for heads of 64) with float16 scales. MAX_RUNS is what kernels.max_runs
+float16 cache or, for `--cache 8` and `4`, keys and values of that many bits in --kv-group-size's
+default groups for heads of 64 (KVQuantization.for_heads: 32) with float16 scales. MAX_RUNS is what kernels.max_runs
 gives on an H100's 132 SMs (one sequence, or the batch kernel's 16). Each build is `nvcc -std=c++17
 -O3 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
 
 TINYLLAMA = dict(Q_BITS=4, Q_BIASES="true", K_BITS=4, K_BIASES="true", V_BITS=8, V_BIASES="false", BIAS="false",
@@ -38,12 +39,15 @@ TINYLLAMA = dict(Q_BITS=4, Q_BIASES="true", K_BITS=4, K_BIASES="true", V_BITS=8,
                  O_BIASES="true", GATE_BITS=4, GATE_BIASES="true", UP_BITS=4, UP_BIASES="true", DOWN_BITS=8,
                  DOWN_BIASES="false", FFN=5632)
 H100_SMS = 132  # layer_kernel's grid: one block an SM
-CACHES = {"plain": (0, 0, 0), "8": (8, 8, 32), "4": (4, 4, 32)}  # KEY_BITS, VALUE_BITS, KV_GROUP (--kv-bits' default)
+CACHES = {"plain": None, "8": KVQuantization(8), "4": KVQuantization(4)}  # as --kv-bits makes them
 SOURCE = Path(kernels.__file__).parent
 
 
-def wrapper(function: str, header: str, key_bits: int, value_bits: int, group: int, batch: bool) -> str:
-    """`header` and a __global__ function that calls `function` with the template arguments above."""
+def wrapper(function: str, header: str, cache: KVQuantization | None, batch: bool) -> str:
+    """`header` and a __global__ function that calls `function` with the template arguments above,
+    over a plain cache (None) or one quantized as `cache` says."""
+    cache = cache.for_heads(TINYLLAMA["HEAD_DIM"]) if cache else None
+    key_bits, value_bits, group = (cache.bits_of_keys, cache.bits, cache.group_size) if cache else (0, 0, 0)
     found = re.search(rf"__device__ void {function}\((.*?)\)\s*{{", header, re.S)
     if found is None:
         sys.exit(f"kernel_sass.py: the source has no {function}")
@@ -74,17 +78,25 @@ def wrapper(function: str, header: str, key_bits: int, value_bits: int, group: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", nargs="+", choices=list(CACHES), default=list(CACHES))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="example: python benchmarks/kernel_sass.py --cache plain 8 --sass /tmp/sass")
+    parser.add_argument("--cache", nargs="+", choices=list(CACHES), default=list(CACHES),
+                        help="the caches to build for: plain (float16), or --kv-bits 8 or 4 (default: all three)")
     parser.add_argument("--batch", action="store_true", help="batch_layer_kernel instead of layer_kernel")
-    parser.add_argument("--source", type=Path, default=SOURCE / "decode_step.cu")
-    parser.add_argument("--sass", type=Path, help="write each build's SASS here (needs cuobjdump)")
+    parser.add_argument("--source", type=Path, default=SOURCE / "decode_step.cu",
+                        help="a copy of decode_step.cu to build instead (a variant under study)")
+    parser.add_argument("--sass", type=Path, metavar="DIR", help="write each build's SASS here (needs cuobjdump)")
     args = parser.parse_args()
     for tool in ["nvcc"] + (["cuobjdump"] if args.sass else []):
         if shutil.which(tool) is None:
             sys.exit(f"kernel_sass.py: {tool} not found on PATH")
     if not args.source.is_file():
         sys.exit(f"kernel_sass.py: {args.source}: no such file")
+    if args.sass:
+        try:
+            args.sass.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            sys.exit(f"kernel_sass.py: --sass {args.sass}: {e.strerror}")
     header = kernels._stripped(args.source.read_text())
     if args.batch:
         header += kernels._stripped((SOURCE / "decode_batch.cu").read_text())
@@ -92,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for cache in args.cache:
             unit, cubin = Path(work) / f"{cache}.cu", Path(work) / f"{cache}.cubin"
-            unit.write_text(wrapper(function, header, *CACHES[cache], args.batch))
+            unit.write_text(wrapper(function, header, CACHES[cache], args.batch))
             build = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
                                     "-o", str(cubin), str(unit)], capture_output=True, text=True)
             if build.returncode:
@@ -100,7 +112,6 @@ def main() -> None:
             counts = re.findall(r"(\d+ bytes spill stores, \d+ bytes spill loads|Used \d+ registers)", build.stderr)
             print(f"{function}, {cache} cache: {'; '.join(counts)}")
             if args.sass:
-                args.sass.mkdir(parents=True, exist_ok=True)
                 sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True)
                 (args.sass / f"{function}-{cache}.sass").write_text(sass.stdout)
 
