@@ -61,10 +61,10 @@ def instrumented_steps(script: str, args: argparse.Namespace, rewrite: Callable[
     kernels.HEADER = rewrite(kernels.HEADER)
     make_kernel = kernels.kernel
 
-    def kernel(function, parameters, template, shared_floats, batch=False, outputs=("y",)):
+    def kernel(function, parameters, template, shared_floats, header="step", outputs=("y",)):
         if function != "layer_kernel":
-            return make_kernel(function, parameters, template, shared_floats, batch, outputs)
-        launch = make_kernel(function, parameters + (output,), template, shared_floats, batch, outputs + (output,))
+            return make_kernel(function, parameters, template, shared_floats, header, outputs)
+        launch = make_kernel(function, parameters + (output,), template, shared_floats, header, outputs + (output,))
 
         def instrumented(**kwargs):
             kwargs["output_shapes"] = kwargs["output_shapes"] + [(blocks * per_block,)]

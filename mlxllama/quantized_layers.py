@@ -10,6 +10,8 @@ the rows it needs, bit-exactly. weights.py swaps these in; the model classes sta
 from __future__ import annotations
 
 from functools import partial
+from typing import Protocol
+
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -26,6 +28,11 @@ DENSE_MIN_ROWS = 128
 GPU_EXPANDED_TYPES = frozenset({GGMLQuantizationType.Q3_K})
 
 
+# Rows of a block-kept output layer decoded at once where its product takes more input rows than a
+# backend's kernel does (a prompt's logits): a float16 slice of 16 MB for Qwen3's 1,024 columns.
+DECODED_ROWS = 8192
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table kept in the file's blocks; a lookup decodes only the rows it gathers."""
 
@@ -39,6 +46,55 @@ class BlockEmbedding(nn.Module):
     def __call__(self, ids: mx.array) -> mx.array:
         rows = self.weight[ids]
         return self._decode(rows.reshape(-1, self.block_bytes)).reshape(*ids.shape, -1)
+
+
+class BlockProduct(Protocol):
+    """A backend's kernel for products with a matrix kept in one type's blocks (mlxllama.cuda.blocks)."""
+
+    def rows_taken(self, k: int) -> int:
+        """Input rows of k values that one call takes."""
+
+    def __call__(self, x: mx.array, blocks: mx.array) -> mx.array:
+        """x [n, k] (n at most rows_taken(k)) times the matrix's rows -> [n, rows] in x's type."""
+
+
+class BlockLinear(BlockEmbedding):
+    """An output layer kept in the file's blocks (weights.py keeps it so where a backend has a
+    kernel for its type): held at the file's size, with its exact values.
+
+    Up to twice the rows the kernel takes at once (a decode step's sequences) go through the kernel;
+    more (a prompt's logits) through the dense product, a slice of DECODED_ROWS rows decoded at a
+    time, so no full-size copy of the matrix is ever made.
+    """
+
+    def __init__(self, table: Blocks, product: BlockProduct):
+        super().__init__(table)
+        self.qtype = table.qtype
+        self.product = product
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = x.shape[-1]
+        rows = x.reshape(-1, k)
+        taken = self.product.rows_taken(k)
+        if rows.shape[0] <= 2 * taken:
+            y = _joined([self.product(rows[i : i + taken], self["weight"]) for i in range(0, rows.shape[0], taken)], 0)
+        else:
+            table = self["weight"]
+            y = _joined([rows @ self._decode(table[i : i + DECODED_ROWS].reshape(-1, self.block_bytes))
+                         .reshape(-1, k).astype(x.dtype).T for i in range(0, table.shape[0], DECODED_ROWS)], 1)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def _joined(parts: list[mx.array], axis: int) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+
+
+class TiedBlockEmbedding(BlockLinear):
+    """A token table kept in the file's blocks that is also the output layer (the model's head
+    calls as_linear): a lookup decodes the rows it gathers, the output is BlockLinear's product."""
+
+    as_linear = BlockLinear.__call__
+    __call__ = BlockEmbedding.__call__
 
 
 def input_typed(x: mx.array, scales: mx.array, biases: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -136,9 +192,11 @@ class NativeExperts(nn.Module):
                              group_size=AFFINE_GROUP_SIZE, bits=self.bits, sorted_indices=sorted_indices)
 
 
-def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks) -> nn.Module:
+def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks, product: BlockProduct | None = None) -> nn.Module:
     """The layer that takes `weight` in place of `module` (an nn.Linear, nn.Embedding or the
-    experts of a mixture)."""
+    experts of a mixture); a matrix kept in blocks for its product needs the backend's `product`."""
+    if isinstance(weight, Blocks) and product is not None:
+        return TiedBlockEmbedding(weight, product) if isinstance(module, nn.Embedding) else BlockLinear(weight, product)
     if isinstance(weight, Blocks):
         return BlockEmbedding(weight)
     if weight.weight.ndim == 3:

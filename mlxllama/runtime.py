@@ -174,10 +174,12 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     Quantized matrices stay quantized (native mode, weights.py); `dequantize` expands every weight
     to `dtype` instead, the simple mode to compare against. Native mode holds Q2_K and Q6_K
     matrices re-quantized to 8 bits a value (quants.py: their 16-value sub-blocks have no exact
-    affine form); without `requantize` it expands those to `dtype` and holds the file's values
-    (trace does, to compare against an exact reference). The decode step is chosen here, once:
-    on MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every
-    model prefills with explicit attention (Transformer.attend_prefill_explicitly).
+    affine form), except a Q6_K output layer under mlxllama.cuda, which keeps the file's blocks and
+    a kernel of its own (cuda/blocks.py); without `requantize` it expands those to `dtype` and
+    holds the file's values (trace does, to compare against an exact reference). The decode step is
+    chosen here, once: on MLX's CUDA backend a native model decodes through the kernels of
+    mlxllama.cuda, and every model prefills with explicit attention
+    (Transformer.attend_prefill_explicitly).
 
     With a `kv_quantization` (KVQuantization(bits=8), say) every cache made for the model stores its
     keys and values quantized: --kv-bits.
@@ -195,13 +197,15 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dtype = dtype or default_dtype()
     shard = plan_parallel(parallel, config, native=not dequantize)
-    model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard, requantize=requantize)
-    model.store_kv_quantized(kv_quantization)
     # The kernels fuse each projection with the residual add where a split model's all-reduce must
     # go: a split model runs the plain step (docs/distributed.md).
-    if not dequantize and requantize and shard is None and cuda_kernels_wanted():
+    kernels = not dequantize and requantize and shard is None and cuda_kernels_wanted()
+    if kernels:
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
-
+    model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard, requantize=requantize,
+                       block_products=cuda.block_products() if kernels else None)
+    model.store_kv_quantized(kv_quantization)
+    if kernels:
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
     if on_cuda():
         model.attend_prefill_explicitly()

@@ -62,11 +62,12 @@ def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype, shape: tuple[int, ...] | N
 
 
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
-            lookup_only: bool = False, piece: Piece | None = None, requantize: bool = True) -> Weight:
+            as_blocks: bool = False, piece: Piece | None = None, requantize: bool = True) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
 
-    native: a quantized matrix stays quantized, as its Blocks when `lookup_only` (a token table
-    that is not also the output layer), else as an AffineWeight; dequantized mode, and every float
+    native: a quantized matrix stays quantized, as its Blocks when `as_blocks` (a token table
+    that is not also the output layer, or an output layer a backend multiplies in its blocks:
+    weights.py), else as an AffineWeight; dequantized mode, and every float
     tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
     Without `requantize`, a matrix of a type the affine form holds only approximately (Q2_K, Q6_K:
     quants.REQUANTIZED_TYPES) is expanded to `dtype` instead, so the model holds the file's values.
@@ -76,7 +77,7 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
         weight = convert(path, tensor, shape, dtype, native, requantize=requantize)
         return trim_columns(weight, trim) if trim else weight
     quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
-    if quantized and lookup_only:  # the file's own blocks: exact whatever the type
+    if quantized and as_blocks:  # the file's own blocks: exact whatever the type
         weight = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
     elif quantized and not requantize and tensor.tensor_type in REQUANTIZED_TYPES:
         weight = tensor_to_mlx(path, tensor, dtype, shape)

@@ -13,25 +13,37 @@ weights plus one tensor's intermediates.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import mlx.core as mx
 import mlx.nn as nn
+from gguf import GGMLQuantizationType
 from mlx.utils import tree_map_with_path
 
 from .fusion import fuse_block
 from .gguf_file import GGUFFile
 from .models import Architecture, ModelConfig, Transformer
-from .quantized_layers import quantized_layer
+from .quantized_layers import BlockProduct, quantized_layer
 from .quants import AffineWeight
 from .sharding import Shard
 from .tensors import Blocks, Weight, convert
 
 
 def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
-               native: bool = True, shard: Shard | None = None, requantize: bool = True) -> Transformer:
+               native: bool = True, shard: Shard | None = None, requantize: bool = True,
+               block_products: Mapping[GGMLQuantizationType, BlockProduct] | None = None) -> Transformer:
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
     its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized
     (`requantize`: tensors.convert).
-    With a `shard`, only the tensors and pieces of tensors that rank holds are read."""
+    With a `shard`, only the tensors and pieces of tensors that rank holds are read.
+    `block_products`: a backend's kernels by type; in native mode an output layer of one of those
+    types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks."""
+    products = block_products if native and block_products and shard is None else {}
+    head = "token_embd.weight" if config.tied_output else "output.weight"
+
+    def product_for(name: str) -> BlockProduct | None:
+        return products.get(gguf.tensors[name].tensor_type) if name == head else None
+
     model = architecture.build(config, dtype, shard)
     layers = shard.layers if shard else range(config.n_layers)
     # The tensors of each block ("blk.N."), then the rest: the embedding and output, larger than a block.
@@ -47,11 +59,12 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         blocks[local][name] = (f"blk.{local}." + parameter.split(".", 2)[2], shape)
 
     def load(part: dict) -> None:
-        _load(model, {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
-                                         lookup_only=name == "token_embd.weight" and not config.tied_output,
-                                         piece=shard.piece(name, config) if shard else None,
-                                         requantize=requantize)
-                      for name, (parameter, shape) in part.items()})
+        converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
+                                        as_blocks=name == "token_embd.weight" and not config.tied_output
+                                        or product_for(name) is not None,
+                                        piece=shard.piece(name, config) if shard else None, requantize=requantize)
+                     for name, (parameter, shape) in part.items()}
+        _load(model, converted, {parameter: product_for(name) for name, (parameter, _) in part.items()})
 
     for block, part in zip(model.blk, blocks):
         load(part)
@@ -60,12 +73,15 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     return model
 
 
-def _load(model: nn.Module, weights: dict[str, Weight]) -> None:
-    """Swap in the quantized layers that `weights` names and load its dense tensors."""
+def _load(model: nn.Module, weights: dict[str, Weight], products: dict[str, BlockProduct | None]) -> None:
+    """Swap in the quantized layers that `weights` names (a matrix kept in blocks for its product
+    with its `products` entry) and load its dense tensors."""
 
     def swap(path: str, module: nn.Module) -> nn.Module:
         weight = weights.get(f"{path}.weight")
-        return quantized_layer(module, weight) if isinstance(weight, (AffineWeight, Blocks)) else module
+        if not isinstance(weight, (AffineWeight, Blocks)):
+            return module
+        return quantized_layer(module, weight, products.get(f"{path}.weight"))
 
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
     # Dense tensors and the biases of quantized layers; the swapped layers already hold the rest.

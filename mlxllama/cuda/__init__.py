@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from gguf import GGMLQuantizationType
 
 from ..models.transformer import DecodeStep, Transformer
-from ..quantized_layers import NativeLinear
+from ..quantized_layers import BlockLinear, BlockProduct, NativeLinear
+from .blocks import Q6KProduct
 from .step import KernelStep, device_limits
+
+
+def block_products() -> dict[GGMLQuantizationType, BlockProduct]:
+    """The types whose output layer weights.py keeps in the file's blocks here, with their kernels."""
+    device = device_limits()
+    return {GGMLQuantizationType.Q6_K: Q6KProduct(*device)} if device else {}
 
 
 def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
     """The kernels' decode step for a model whose every projection keeps an affine weight
-    (quantized_layers.NativeLinear) and whose shapes the kernels take, else None."""
+    (quantized_layers.NativeLinear; the output layer may keep Q6_K blocks, BlockLinear) and whose
+    shapes the kernels take, else None."""
     c = model.config
     if not implemented(c):
         return None
     layers = [layer for block in model.blk for layer in block.children().values() if not isinstance(layer, nn.RMSNorm)]
     head = model.token_embd if c.tied_output else model.output
-    if not all(isinstance(layer, NativeLinear) for layer in layers + [head]):
+    if not all(isinstance(layer, NativeLinear) for layer in layers):
+        return None
+    if not (isinstance(head, NativeLinear) or isinstance(head, BlockLinear) and isinstance(head.product, Q6KProduct)):
         return None
     # Each lane of the attention kernel holds head_dim / 32 dims; float32 compute is untested on CUDA.
     if c.head_dim % 32 or model.compute_dtype == mx.float32:
@@ -39,4 +50,4 @@ def implemented(c) -> bool:
             and c.attention_scale is None and not c.final_logit_softcap and not c.sliding_window and not c.n_experts)
 
 
-__all__ = ["KernelStep", "kernel_step"]
+__all__ = ["KernelStep", "block_products", "kernel_step"]

@@ -38,9 +38,10 @@ def _constant(text: str, name: str) -> int:
     return int(match.group(1))
 
 
-_STEP_SOURCE, _BATCH_SOURCE = _read("decode_step.cu"), _read("decode_batch.cu")
+_STEP_SOURCE, _BATCH_SOURCE, _Q6_K_SOURCE = _read("decode_step.cu"), _read("decode_batch.cu"), _read("q6_k.cu")
 HEADER = _stripped(_STEP_SOURCE)
 BATCH_HEADER = HEADER + _stripped(_BATCH_SOURCE)
+Q6_K_HEADER = HEADER + _stripped(_Q6_K_SOURCE)
 
 GROUP = _constant(_STEP_SOURCE, "GROUP")  # values that share a scale and bias
 GROUP_STRIDE = _constant(_STEP_SOURCE, "GROUP_STRIDE")  # shared-memory floats a staged group takes
@@ -74,6 +75,9 @@ LAYER_TEMPLATE = ("Q_BITS", "Q_BIASES", "K_BITS", "K_BIASES", "V_BITS", "V_BIASE
                   "HEAD_DIM", "ROPE_DIM", "TRADITIONAL", "HIDDEN", "O_BITS", "O_BIASES", "GATE_BITS", "GATE_BIASES",
                   "UP_BITS", "UP_BIASES", "DOWN_BITS", "DOWN_BIASES", "FFN", "KEY_BITS", "VALUE_BITS", "KV_GROUP")
 HEAD_TEMPLATE = ("BITS", "STORED_BIASES", "K", "R")
+Q6_K_PRODUCT_PARAMETERS = ("x", "w", "ROWS", "y")  # q6_k.cu's q6_k_product_kernel
+Q6_K_HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "ROWS", "y")  # q6_k.cu's q6_k_head_kernel
+Q6_K_MAX_INPUTS = _constant(_Q6_K_SOURCE, "Q6_K_MAX_INPUTS")  # input rows q6_k_product_kernel takes at once
 
 
 def inputs_of(parameters: tuple[str, ...], outputs: tuple[str, ...] = ("y",)) -> tuple[str, ...]:
@@ -84,12 +88,15 @@ def inputs_of(parameters: tuple[str, ...], outputs: tuple[str, ...] = ("y",)) ->
 
 @cache
 def kernel(function: str, parameters: tuple[str, ...], template: tuple[str, ...], shared_floats: int,
-           batch: bool = False, outputs: tuple[str, ...] = ("y",)):
-    """The MLX kernel whose body calls `function` with `parameters`, its template arguments named `template`."""
+           header: str = "step", outputs: tuple[str, ...] = ("y",)):
+    """The MLX kernel whose body calls `function` with `parameters`, its template arguments named
+    `template`, after the header of its file: "step" (decode_step.cu), "batch" (decode_batch.cu) or
+    "q6_k" (q6_k.cu)."""
+    text = {"step": HEADER, "batch": BATCH_HEADER, "q6_k": Q6_K_HEADER}[header]
     call = f"{function}<{', '.join(template)}>({', '.join(parameters)});"
     return mx.fast.cuda_kernel(name=function.removesuffix("_kernel"), input_names=list(inputs_of(parameters, outputs)),
                                output_names=list(outputs), source=call,
-                               header=included(BATCH_HEADER if batch else HEADER), shared_memory=4 * shared_floats)
+                               header=included(text), shared_memory=4 * shared_floats)
 
 
 def included(header: str) -> str:

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from ..cache import BatchKVCache, KVCache, kv_arrays, rotates
 from ..fusion import FUSED
 from ..models.transformer import DecodeStep, Transformer, rope_periods
-from ..quantized_layers import NativeLinear
+from ..quantized_layers import BlockLinear, NativeLinear
 from . import kernels
 from .kernels import LAYER_THREADS, MAX_BATCH, SEQ_TILE
 
@@ -103,7 +103,8 @@ class KernelStep:
                                     o=Projection(block.attn_output), ffn_norm=_on_device(block.ffn_norm.weight),
                                     gate=gate, up=up, down=Projection(block.ffn_down)))
         self.output_norm = _on_device(model.output_norm.weight)
-        self.head = Projection(model.token_embd if c.tied_output else model.output)
+        head = model.token_embd if c.tied_output else model.output
+        self.head = head if isinstance(head, BlockLinear) else Projection(head)
         self.eps = _on_device(mx.array([c.rms_eps] * 4, mx.float32))
         # RoPE's angle for pair i at position p is p * inv_freq[i], as MLX's RoPE turns it.
         self.inv_freq = _on_device(c.rope_scale / rope_periods(c))
@@ -246,7 +247,8 @@ class KernelStep:
 
     def _launch_layer(self, function: str, parameters: tuple[str, ...], template: list[tuple[str, object]],
                       inputs: dict[str, mx.array], shared_floats: int, batch: bool) -> mx.array:
-        kernel = kernels.kernel(function, parameters, tuple(n for n, _ in template), shared_floats, batch)
+        kernel = kernels.kernel(function, parameters, tuple(n for n, _ in template), shared_floats,
+                                "batch" if batch else "step")
         x = inputs["x"]
         return kernel(inputs=[inputs[n] for n in kernels.inputs_of(parameters)], template=template,
                       grid=(LAYER_THREADS * self.blocks, 1, 1), threadgroup=(LAYER_THREADS, 1, 1),
@@ -288,6 +290,8 @@ class KernelStep:
     def _head(self, x: mx.array) -> mx.array:
         """Logits (float32) of the last layer's output x."""
         p = self.head
+        if isinstance(p, BlockLinear):
+            return p.product.head(x, self.output_norm, self.eps, p.weight)
         rows_per_warp = 2 if p.rows >= 16384 else 1
         template = [("BITS", p.bits), ("STORED_BIASES", p.stored_biases), ("K", p.cols), ("R", rows_per_warp)]
         kernel = kernels.kernel("head_kernel", kernels.HEAD_PARAMETERS, kernels.HEAD_TEMPLATE,
