@@ -1,6 +1,7 @@
 """The layer kernels as ptxas compiles them for an H100, on a machine without a GPU: registers, spills, SASS.
 
     python benchmarks/kernel_sass.py [--cache plain 8 4] [--batch] [--source decode_step.cu] [--sass DIR]
+    python benchmarks/kernel_sass.py --q6-k [--sass DIR]
 
 Wraps decode_step.cu's layer_kernel (--batch: decode_batch.cu's batch_layer_kernel, two tiles) in a
 __global__ function instantiated as step.py instantiates it for the TinyLlama-shape Q4_K_M file
@@ -12,6 +13,8 @@ gives on an H100's 132 SMs (one sequence, or the batch kernel's 16). Each build 
 -O3 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
 depth"). --source compiles another copy of decode_step.cu (a variant under study) instead.
+--q6-k builds q6_k.cu's kernels instead, for TinyLlama's Q6_K output layer (2,048 columns): the
+product of 1 and of 16 float16 inputs (as blocks.py launches them), and the kernel step's head.
 
 Needs nvcc for CUDA 12.8 or later. cuobjdump comes with a full CUDA, or from PyPI's
 nvidia-cuda-cuobjdump wheel (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
@@ -77,6 +80,36 @@ def wrapper(function: str, header: str, cache: KVQuantization | None, batch: boo
             f"__global__ void instantiated({declared}) {{ {call} }}\n")
 
 
+# q6_k.cu's kernels as blocks.py instantiates them for TinyLlama's output layer: name, template arguments, parameters.
+Q6_K_BUILDS = [
+    ("q6_k_product_kernel, 1 input", "2048, 1, 1", "const __half* x, const uint8_t* w, int rows, __half* y"),
+    ("q6_k_product_kernel, 16 inputs", "2048, 16, 2", "const __half* x, const uint8_t* w, int rows, __half* y"),
+    ("q6_k_head_kernel", "2048",
+     "const float* x, const __half* norm_w, const float* eps, const uint8_t* w, int rows, float* y"),
+]
+
+
+def q6_k_wrapper(header: str, function: str, arguments: str, declared: str) -> str:
+    names = ", ".join(d.rsplit(" ", 1)[1].lstrip("*") for d in declared.split(","))
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n{header}\n"
+            f"__global__ void instantiated({declared}) {{ {function}<{arguments}>({names}); }}\n")
+
+
+def build(unit_text: str, name: str, label: str, work: str, sass: Path | None) -> None:
+    """Compile one wrapper with nvcc, print ptxas's counts under `label`; with `sass`, write its SASS as NAME.sass."""
+    unit, cubin = Path(work) / f"{name}.cu", Path(work) / f"{name}.cubin"
+    unit.write_text(unit_text)
+    built = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                            "-o", str(cubin), str(unit)], capture_output=True, text=True)
+    if built.returncode:
+        sys.exit(f"kernel_sass.py: nvcc failed for {label}:\n{built.stderr}")
+    counts = re.findall(r"(\d+ bytes spill stores, \d+ bytes spill loads|Used \d+ registers)", built.stderr)
+    print(f"{label}: {'; '.join(counts)}")
+    if sass:
+        listing = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True)
+        (sass / f"{name}.sass").write_text(listing.stdout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="example: python benchmarks/kernel_sass.py --cache plain 8 --sass /tmp/sass")
@@ -86,6 +119,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, default=SOURCE / "decode_step.cu",
                         help="a copy of decode_step.cu to build instead (a variant under study)")
     parser.add_argument("--sass", type=Path, metavar="DIR", help="write each build's SASS here (needs cuobjdump)")
+    parser.add_argument("--q6-k", action="store_true", help="q6_k.cu's kernels instead of the layer kernels")
     args = parser.parse_args()
     for tool in ["nvcc"] + (["cuobjdump"] if args.sass else []):
         if shutil.which(tool) is None:
@@ -98,22 +132,19 @@ def main() -> None:
         except OSError as e:
             sys.exit(f"kernel_sass.py: --sass {args.sass}: {e.strerror}")
     header = kernels._stripped(args.source.read_text())
-    if args.batch:
-        header += kernels._stripped((SOURCE / "decode_batch.cu").read_text())
-    function = "batch_layer_kernel" if args.batch else "layer_kernel"
     with tempfile.TemporaryDirectory() as work:
+        if args.q6_k:
+            header += kernels._stripped((SOURCE / "q6_k.cu").read_text())
+            for i, (label, arguments, declared) in enumerate(Q6_K_BUILDS):
+                function = label.split(",")[0]
+                build(q6_k_wrapper(header, function, arguments, declared), f"{function}-{i}", label, work, args.sass)
+            return
+        if args.batch:
+            header += kernels._stripped((SOURCE / "decode_batch.cu").read_text())
+        function = "batch_layer_kernel" if args.batch else "layer_kernel"
         for cache in args.cache:
-            unit, cubin = Path(work) / f"{cache}.cu", Path(work) / f"{cache}.cubin"
-            unit.write_text(wrapper(function, header, CACHES[cache], args.batch))
-            build = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
-                                    "-o", str(cubin), str(unit)], capture_output=True, text=True)
-            if build.returncode:
-                sys.exit(f"kernel_sass.py: nvcc failed for the {cache} cache:\n{build.stderr}")
-            counts = re.findall(r"(\d+ bytes spill stores, \d+ bytes spill loads|Used \d+ registers)", build.stderr)
-            print(f"{function}, {cache} cache: {'; '.join(counts)}")
-            if args.sass:
-                sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True)
-                (args.sass / f"{function}-{cache}.sass").write_text(sass.stdout)
+            build(wrapper(function, header, CACHES[cache], args.batch), f"{function}-{cache}",
+                  f"{function}, {cache} cache", work, args.sass)
 
 
 if __name__ == "__main__":

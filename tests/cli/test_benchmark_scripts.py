@@ -72,6 +72,14 @@ def test_kernel_sass_compiles_the_one_sequence_kernel_without_spilling():
                         r"Used \d+ registers\n", out), out
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernel_sass_compiles_the_q6_k_kernels_without_spilling():
+    out = run_script("benchmarks/kernel_sass.py", "--q6-k")
+    labels = ["q6_k_product_kernel, 1 input", "q6_k_product_kernel, 16 inputs", "q6_k_head_kernel"]
+    assert re.fullmatch("".join(rf"{label}: 0 bytes spill stores, 0 bytes spill loads; Used \d+ registers\n"
+                                for label in labels), out), out
+
+
 def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
     out = tmp_path / "host_time.json"
     run_script("benchmarks/host_time.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--reps", "3",
