@@ -166,9 +166,14 @@ __device__ inline void load_group(const uint32_t* src, uint32_t* words) {
   }
 }
 
+// A value below 2^23 as a float, exactly: placed in the mantissa of 2^23, an integer operation and
+// an add instead of a quarter-rate conversion.
+__device__ inline float small_float(uint32_t v) {
+  return __uint_as_float(0x4B000000u | v) - 8388608.0f;
+}
+
 // Value j of a group whose BITS-bit fields fill `words` (indices are compile-time once unrolled),
-// made a float by placing it in the mantissa of 2^23: two integer operations and an add instead
-// of a quarter-rate conversion.
+// as a float (small_float).
 template <int BITS>
 __device__ inline float field(const uint32_t* words, int j) {
   const int bit = j * BITS, word = bit / 32, shift = bit % 32;
@@ -176,7 +181,7 @@ __device__ inline float field(const uint32_t* words, int j) {
   if (shift + BITS > 32) {
     v |= words[word + 1] << (32 - shift);
   }
-  return __uint_as_float(0x4B000000u | (v & ((1u << BITS) - 1))) - 8388608.0f;
+  return small_float(v & ((1u << BITS) - 1));
 }
 
 // out[r] = row rows[r] of an affine matrix with K columns times the staged input, for R rows at

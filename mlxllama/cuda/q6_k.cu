@@ -1,6 +1,7 @@
 // Products with a matrix kept as the file stores it in Q6_K blocks (blocks.py): an output layer
 // that MLX's affine format holds only at 8.5 bits a value, against Q6_K's 6.5625 (quants.py).
-// Follows decode_step.cu in its kernels' header and uses its staging (stage_input, staged).
+// Follows decode_step.cu in its kernels' header and uses its staging (stage_input, staged) and
+// small_float.
 //
 // A Q6_K row of K values is K / 256 blocks of 210 bytes (llama.cpp's block_q6_K). A block's 256
 // values are two halves of 128: in half h, byte l of ql (64 bytes a half) holds the low 4 bits of
@@ -13,12 +14,6 @@ constexpr int Q6_K_BYTES = 210;
 // Input rows q6_k_product_kernel takes at once, each copied to shared memory: a batch kernel step's
 // 16 sequences in one launch, which reads the weights once for all of them.
 constexpr int Q6_K_MAX_INPUTS = 16;
-
-// A value below 2^23 as a float, exactly: placed in the mantissa of 2^23, two operations where a
-// conversion is a quarter-rate instruction (decode_step.cu's field does the same).
-__device__ inline float small_float(unsigned v) {
-  return __uint_as_float(0x4B000000u | v) - 8388608.0f;
-}
 
 // Input m's value k, where the head kernel stages its one input (decode_step.cu's layout, normalized).
 struct StagedInput {
