@@ -38,11 +38,12 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     With a `shard`, only the tensors and pieces of tensors that rank holds are read.
     `block_products`: a backend's kernels by type; in native mode an output layer of one of those
     types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks."""
-    products = block_products if native and block_products and shard is None else {}
+    kernels = block_products if native and block_products and shard is None else {}
     head = "token_embd.weight" if config.tied_output else "output.weight"
+    lookup_table = None if config.tied_output else "token_embd.weight"  # only looked up: kept in its blocks
 
     def product_for(name: str) -> BlockProduct | None:
-        return products.get(gguf.tensors[name].tensor_type) if name == head else None
+        return kernels.get(gguf.tensors[name].tensor_type) if name == head else None
 
     model = architecture.build(config, dtype, shard)
     layers = shard.layers if shard else range(config.n_layers)
@@ -59,12 +60,12 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         blocks[local][name] = (f"blk.{local}." + parameter.split(".", 2)[2], shape)
 
     def load(part: dict) -> None:
+        products = {parameter: product_for(name) for name, (parameter, _) in part.items()}
         converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
-                                        as_blocks=name == "token_embd.weight" and not config.tied_output
-                                        or product_for(name) is not None,
+                                        as_blocks=name == lookup_table or products[parameter] is not None,
                                         piece=shard.piece(name, config) if shard else None, requantize=requantize)
                      for name, (parameter, shape) in part.items()}
-        _load(model, converted, {parameter: product_for(name) for name, (parameter, _) in part.items()})
+        _load(model, converted, products)
 
     for block, part in zip(model.blk, blocks):
         load(part)
