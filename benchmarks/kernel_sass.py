@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--sass", type=Path, metavar="DIR", help="write each build's SASS here (needs cuobjdump)")
     parser.add_argument("--q6-k", action="store_true", help="q6_k.cu's kernels instead of the layer kernels")
     args = parser.parse_args()
+    if args.q6_k and args.batch:
+        sys.exit("kernel_sass.py: --q6-k and --batch build different kernels: give one")
     for tool in ["nvcc"] + (["cuobjdump"] if args.sass else []):
         if shutil.which(tool) is None:
             sys.exit(f"kernel_sass.py: {tool} not found on PATH")
