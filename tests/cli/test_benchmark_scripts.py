@@ -200,6 +200,25 @@ def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     assert "the first burst" in printed
 
 
+def test_serve_stand_in_serves_every_request_through_the_app_for_each_variant(tmp_path):
+    """Two clients, two requests each, through the real app and Engine over the stand-in decoder,
+    for each fraction held: every request answered with all its tokens, the variants alternating."""
+    out = tmp_path / "stand-in.json"
+    printed = run_script("benchmarks/serve_stand_in.py", "-m", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
+                         "--clients", "2", "--requests", "2", "--max-tokens", "4", "--step-ms", "1",
+                         "--prefill-ms", "1", "--held", "0,0.5", "--rounds", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert sorted(report["runs"]) == ["0.0", "0.5"]
+    for runs in report["runs"].values():
+        assert len(runs) == 2
+        for run in runs:
+            assert run["requests"] == 4 and len(run["ttft_ms"]) == 4
+            assert round(run["tokens_per_second"] * run["seconds"]) == 4 * 4
+    rounds = re.findall(r"held (\S+), round (\d)", printed)
+    assert rounds == [("0", "1"), ("0.5", "1"), ("0.5", "2"), ("0", "2")]
+    assert "held 0.5: TTFT p95 mean of rounds" in printed
+
+
 def test_engine_turns_times_the_joins_apart_when_asked(tmp_path):
     """--eval-joins: every prefill_chunk is followed by the joins' evaluation, timed as a call of its own."""
     out = tmp_path / "turns.json"
