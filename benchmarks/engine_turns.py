@@ -15,6 +15,9 @@ untimed round first, as serve_bench's --warmup). Reports:
   and had its first text chunk out (the rest of a client's TTFT is the client, the connection and
   uvicorn's HTTP);
 - the garbage collector's pauses, which stop every thread;
+- how long a thread of its own waits for the interpreter after each 0.5 ms sleep (the GIL probe),
+  and, for the waits over 1 ms, where the engine's thread and the event loop's were when it got it:
+  what held the interpreter while requests waited;
 - the decoder calls slower than --slow-ms, with the engine thread's CPU time in each and the rows
   and joiners around it: what the slow first tokens waited for.
 With --eval-joins, each prefill_chunk is followed by a call of its own (eval_joins) that computes
@@ -173,6 +176,7 @@ class LoopLag:
     def __init__(self):
         self.lags: list[float] = []
         self.measuring = False
+        self.thread_id: int | None = None  # the event loop's thread, once it runs
 
     async def probe(self) -> None:
         while True:
@@ -224,6 +228,49 @@ class AppTimes:
         return [1000 * (s - a) for a, s, _ in done], [1000 * (f - a) for a, _, f in done]
 
 
+class GilProbe:
+    """A thread that sleeps 0.5 ms at a time and times how long it then waits for the interpreter
+    (time.sleep releases it; taking it back waits for whichever thread holds it, up to the switch
+    interval). For each wait over LONG_MS it notes where the engine's thread and the event loop's
+    thread stood as it got the interpreter back: the holder has only just let go, so its frame is
+    where it did (a call that releases the GIL, or the switch interval's check)."""
+
+    SLEEP, LONG_MS = 0.0005, 1.0
+
+    def __init__(self, engine_thread: threading.Thread):
+        self.waits: list[float] = []
+        self.holders: dict[str, int] = {}
+        self.measuring = False
+        self.engine_id = engine_thread.ident
+        self.loop_id: int | None = None
+        threading.Thread(target=self._run, name="gil-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            time.sleep(self.SLEEP)
+            waited = 1000 * (time.perf_counter() - asked - self.SLEEP)
+            if not self.measuring:
+                continue
+            self.waits.append(waited)
+            if waited > self.LONG_MS:
+                frames = sys._current_frames()
+                for label, ident in (("engine", self.engine_id), ("loop", self.loop_id)):
+                    frame = frames.get(ident)
+                    if frame is not None:
+                        where = f"{label}: {Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+                        self.holders[where] = self.holders.get(where, 0) + 1
+
+    def report(self) -> list[str]:
+        long = [w for w in self.waits if w > self.LONG_MS]
+        seconds = len(self.waits) * self.SLEEP + sum(self.waits) / 1000
+        lines = [f"GIL probe, ms waited after each sleep: {summary(self.waits)}; over {self.LONG_MS:g} ms: {len(long)},"
+                 f" {sum(long):.0f} ms in all, {100 * sum(self.waits) / 1000 / seconds if seconds else 0:.0f}% of the"
+                 f" probe's time"]
+        lines += [f"  {count:5d}  {where}" for where, count in sorted(self.holders.items(), key=lambda i: -i[1])[:12]]
+        return lines
+
+
 class GcPauses:
     """The cyclic garbage collector's pauses, by generation, in ms."""
 
@@ -248,6 +295,7 @@ def serve_in_thread(runtime, engine: Engine, port: int, lag: LoopLag):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
 
     async def serve() -> None:
+        lag.thread_id = threading.get_ident()
         probe = asyncio.create_task(lag.probe())
         await server.serve()
         probe.cancel()
@@ -314,13 +362,16 @@ def main():
     port = free_port()
     lag, app_times, gc_pauses = LoopLag(), AppTimes(), GcPauses()
     server, thread = serve_in_thread(runtime, engine, port, lag)
+    gil = GilProbe(engine.thread)
+    gil.loop_id = lag.thread_id
     url = f"http://127.0.0.1:{port}"
     try:
         serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
         timeline.clear()
         app_times.clear()
-        lag.measuring = gc_pauses.measuring = True
+        lag.measuring = gc_pauses.measuring = gil.measuring = True
         clients = serve_bench.run(url, args.clients, args.requests, args.max_tokens)
+        gil.measuring = False
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -340,6 +391,7 @@ def main():
     print(f"event loop lag (a 1 ms sleep's lateness), ms: {summary(lag.lags)}")
     handed, first_out = app_times.spans()
     print(f"app: arrival -> engine, ms: {summary(handed)}; arrival -> first chunk out, ms: {summary(first_out)}")
+    print("\n".join(gil.report()))
     print("gc pauses, ms: " + "; ".join(f"generation {g} x{len(p)}: {summary(p)}" for g, p in gc_pauses.pauses.items()))
     for name, ms in by_call.items():
         print(f"{name:13s} {len(ms):6d} calls, ms: {summary(ms)}, total {sum(ms):.0f}")
@@ -364,7 +416,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "clients": clients, "requests": requests, "first_burst": burst,
-                       "loop_lag_ms": lag.lags,
+                       "loop_lag_ms": lag.lags, "gil_waits_ms": gil.waits, "gil_holders": gil.holders,
                        "app_ms": {"to_engine": handed, "first_chunk_out": first_out},
                        "gc_pauses_ms": {str(g): p for g, p in gc_pauses.pauses.items()},
                        "calls": [{"name": n, "at_ms": 1000 * (at - start), "ms": 1000 * s, "rows": r, "joining": j,

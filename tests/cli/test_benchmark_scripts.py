@@ -192,6 +192,11 @@ def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     assert names.count("admit") == 4 and names.count("step") >= 3 and "eval_joins" not in names
     assert all(0 <= c["cpu_ms"] for c in report["calls"]) and report["loop_lag_ms"]
     assert "admitted -> first token on the host" in printed and "event loop lag" in printed
+    # The GIL probe waited after each of its sleeps, and named a thread's place for each long wait.
+    assert report["gil_waits_ms"] and all(w > -1 for w in report["gil_waits_ms"]) and "GIL probe" in printed
+    long_waits = sum(w > 1.0 for w in report["gil_waits_ms"])
+    assert all(where.startswith(("engine: ", "loop: ")) for where in report["gil_holders"])
+    assert sum(report["gil_holders"].values()) <= 2 * long_waits
     # Each client's first request traced through the server, its moments in the order they happen
     # (one clock: the clients' and the server's perf_counter are the machine's).
     moments = ("sent", "arrived", "handed", "admitted", "first_token", "first_out", "received")
