@@ -36,7 +36,6 @@ import contextvars
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -162,12 +161,6 @@ def evaluate(cache) -> None:
     mx.synchronize()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LoopLag:
     """How late the server's event loop runs a callback asked for every millisecond: while it is
     busy (the streams' chunks, the requests' templates, the GIL held by the engine's thread), a new
@@ -176,9 +169,10 @@ class LoopLag:
     def __init__(self):
         self.lags: list[float] = []
         self.measuring = False
-        self.thread_id: int | None = None  # the event loop's thread, once it runs
+        self.thread_id: int | None = None  # the event loop's thread, once the probe runs
 
     async def probe(self) -> None:
+        self.thread_id = threading.get_ident()
         while True:
             asked = time.perf_counter()
             await asyncio.sleep(0.001)
@@ -237,12 +231,12 @@ class GilProbe:
 
     SLEEP, LONG_MS = 0.0005, 1.0
 
-    def __init__(self, engine_thread: threading.Thread):
+    def __init__(self, engine_thread: threading.Thread, lag: LoopLag):
         self.waits: list[float] = []
         self.holders: dict[str, int] = {}
         self.measuring = False
         self.engine_id = engine_thread.ident
-        self.loop_id: int | None = None
+        self.lag = lag  # its probe names the event loop's thread
         threading.Thread(target=self._run, name="gil-probe", daemon=True).start()
 
     def _run(self) -> None:
@@ -255,7 +249,7 @@ class GilProbe:
             self.waits.append(waited)
             if waited > self.LONG_MS:
                 frames = sys._current_frames()
-                for label, ident in (("engine", self.engine_id), ("loop", self.loop_id)):
+                for label, ident in (("engine", self.engine_id), ("loop", self.lag.thread_id)):
                     frame = frames.get(ident)
                     if frame is not None:
                         where = f"{label}: {Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
@@ -285,26 +279,6 @@ class GcPauses:
             self._start = time.perf_counter()
         elif self.measuring:
             self.pauses[info["generation"]].append(1000 * (time.perf_counter() - self._start))
-
-
-def serve_in_thread(runtime, engine: Engine, port: int, lag: LoopLag):
-    import uvicorn
-
-    app = create_app(runtime, engine, ServerSettings(choose_template(runtime.chat_template), SamplingParams(), 256),
-                     webui=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-
-    async def serve() -> None:
-        lag.thread_id = threading.get_ident()
-        probe = asyncio.create_task(lag.probe())
-        await server.serve()
-        probe.cancel()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread
 
 
 def first_burst(clients: dict, app_times: AppTimes) -> list[dict]:
@@ -359,12 +333,12 @@ def main():
         sys.exit(2)
     engine = Engine(runtime, args.max_batch, prompt_cache_bytes=512 << 20)
     timeline = Timeline(engine, args.eval_joins, args.split_step)
-    port = free_port()
     lag, app_times, gc_pauses = LoopLag(), AppTimes(), GcPauses()
-    server, thread = serve_in_thread(runtime, engine, port, lag)
-    gil = GilProbe(engine.thread)
-    gil.loop_id = lag.thread_id
-    url = f"http://127.0.0.1:{port}"
+    app = create_app(runtime, engine, ServerSettings(choose_template(runtime.chat_template), SamplingParams(), 256),
+                     webui=False)
+    server, thread = serve_bench.serve_in_thread(app, lag.probe)
+    gil = GilProbe(engine.thread, lag)
+    url = f"http://127.0.0.1:{server.config.port}"
     try:
         serve_bench.run(url, args.clients, 1, args.max_tokens)  # untimed: compiles, and fills the prompt cache
         timeline.clear()

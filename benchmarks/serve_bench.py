@@ -17,10 +17,13 @@ first gap. It speaks only the OpenAI API, so it measures `mlxllama serve` and ll
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
 import multiprocessing
+import socket
 import statistics
+import threading
 import time
 from typing import Iterator
 
@@ -69,6 +72,31 @@ def one_client(url: str, number: int, requests: int, max_tokens: int, ready,
         results = [one_request(client, url, QUESTIONS[(number + i) % len(QUESTIONS)], max_tokens, f"{number}.{i}")
                    for i in range(requests)]
     return start, time.perf_counter(), results
+
+
+def serve_in_thread(app, *beside):
+    """`app` (an ASGI app) served by uvicorn on a free loopback port, on a thread of this process,
+    with the coroutine functions `beside` run on its event loop too, for the scripts that time a
+    server from inside it (engine_turns.py, serve_stand_in.py): the server, once it listens, and
+    its thread."""
+    import uvicorn  # the server's stack: only these scripts need it, not the clients
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+
+    async def serve() -> None:
+        tasks = [asyncio.create_task(task()) for task in beside]
+        await server.serve()
+        for task in tasks:
+            task.cancel()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread
 
 
 def run(url: str, clients: int, requests: int, max_tokens: int, prime: bool = False) -> dict:

@@ -28,12 +28,9 @@ on its CPU device here, for the tokenizer only: no kernel is ever compiled.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -113,16 +110,8 @@ class StandInDecoder:
         return finished
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(runtime, args, held: float):
     """The app and an Engine over the stand-in decoder, served by uvicorn on a thread of this process."""
-    import uvicorn
-
     def stand_in(runtime, max_batch, *_, **__):
         return StandInDecoder(runtime.tokenizer, max_batch, runtime.config.context_length,
                               args.step_ms / 1000, args.prefill_ms / 1000, held, args.joins == "together")
@@ -134,12 +123,7 @@ def serve(runtime, args, held: float):
     finally:
         engine_module.make_decoder = real
     settings = ServerSettings(choose_template(runtime.chat_template), SamplingParams(), args.max_tokens)
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime, engine, settings, webui=False), host="127.0.0.1",
-                                           port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    server, thread = serve_bench.serve_in_thread(create_app(runtime, engine, settings, webui=False))
     return server, thread, engine
 
 
