@@ -32,6 +32,12 @@ struct CopiedInputs {
   }
 };
 
+// A value of a block: (d * scale) * (q - 32), as quants.py rounds it, for the 6-bit q and the
+// int8 scale's byte. The scale s as (s + 128) - 128: its byte with the top bit flipped is s + 128.
+__device__ inline float q6_k_value(float d, uint8_t scale, unsigned q) {
+  return d * (small_float(scale ^ 128u) - 128.0f) * (small_float(q) - 32.0f);
+}
+
 // out[r][m] = the dot of row rows[r] of w with input m (`x`: StagedInput or CopiedInputs), in
 // every lane. A lane takes values l, l + 32, l + 64 and l + 96 of each half of each block: lanes
 // read consecutive bytes, and a value is computed as quants.py decodes it (the same float
@@ -61,12 +67,10 @@ __device__ void q6_k_rows_dot(const uint8_t* w, const int* rows, Inputs x, float
         const uint8_t* ql = block + 64 * half;
         const uint8_t* scale = block + 192 + 8 * half + lane / 16;
         const unsigned low = ql[lane], low_next = ql[lane + 32], high = block[128 + 32 * half + lane];
-        // The int8 scale s as (s + 128) - 128: its byte with the top bit flipped is s + 128.
-        v[r][0] = d * (small_float(scale[0] ^ 128u) - 128.0f) * (small_float((low & 15) | (high & 3) << 4) - 32.0f);
-        v[r][1] = d * (small_float(scale[2] ^ 128u) - 128.0f) *
-                  (small_float((low_next & 15) | (high >> 2 & 3) << 4) - 32.0f);
-        v[r][2] = d * (small_float(scale[4] ^ 128u) - 128.0f) * (small_float(low >> 4 | (high >> 4 & 3) << 4) - 32.0f);
-        v[r][3] = d * (small_float(scale[6] ^ 128u) - 128.0f) * (small_float(low_next >> 4 | (high >> 6) << 4) - 32.0f);
+        v[r][0] = q6_k_value(d, scale[0], (low & 15) | (high & 3) << 4);
+        v[r][1] = q6_k_value(d, scale[2], (low_next & 15) | (high >> 2 & 3) << 4);
+        v[r][2] = q6_k_value(d, scale[4], low >> 4 | (high >> 4 & 3) << 4);
+        v[r][3] = q6_k_value(d, scale[6], low_next >> 4 | (high >> 6) << 4);
       }
       const int k = b * Q6_K_VALUES + half * 128 + lane;
 #pragma unroll
