@@ -226,8 +226,9 @@ class GilProbe:
     """A thread that sleeps 0.5 ms at a time and times how long it then waits for the interpreter
     (time.sleep releases it; taking it back waits for whichever thread holds it, up to the switch
     interval). For each wait over LONG_MS it notes where the engine's thread and the event loop's
-    thread stood as it got the interpreter back: the holder has only just let go, so its frame is
-    where it did (a call that releases the GIL, or the switch interval's check)."""
+    thread stood as it got the interpreter back. Only one of them can have held it: that one has
+    just let go, at a call that releases the GIL or at the switch interval's check; an engine
+    waiting for work had not held it, so the loop had. The other's frame is only where it was."""
 
     SLEEP, LONG_MS = 0.0005, 1.0
 
