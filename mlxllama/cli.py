@@ -497,13 +497,17 @@ def discard() -> Iterator[tuple[set[str], object]]:
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template for chat requests.")
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--no-webui", is_flag=True, help="Serve the API only, not the chat page at /.")
+@click.option("--engine", "engine_kind", type=click.Choice(["process", "thread"]), default=None,
+              help="Run the model in a process of its own (the default; under mlx.launch, a thread), so that the"
+                   " HTTP side and the engine never wait for each other's interpreter, or in a thread of the"
+                   " server's process (docs/server.md).")
 @kv_size_options
 @speculation_options
 @sampling_options
 @parallel_options
 def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_queue, prompt_cache_mb, prefill_chunk,
-                  template_name, template_file, no_webui, max_kv_size, keep, draft_model, lookup, draft_tokens,
-                  **sampling):
+                  template_name, template_file, no_webui, engine_kind, max_kv_size, keep, draft_model, lookup,
+                  draft_tokens, **sampling):
     """Serve the model over HTTP with an OpenAI-compatible API (docs/server.md).
 
     Chat requests get the chat template explicitly (a request may pick another with "chat_template",
@@ -527,29 +531,65 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     check_no_template(False, None, False, template_name, template_file)
     check_kv_size(max_kv_size, keep)
     refuse_under_launch(draft_model=draft_model, lookup=lookup)
+    if engine_kind == "process" and launched():
+        raise MlxLlamaError("--engine process is not supported under mlx.launch: a split model's engine runs in"
+                            " rank 0's thread")
+    engine_kind = engine_kind or ("thread" if launched() else "process")
     params = sampling_params(sampling)
     if world().is_root:
         check_listen(host, port, api_key)
     launch_without_cuda_graphs()
-    runtime = load_model(model_path)
-    draft = load_draft(draft_model, lookup)
-    if not world().is_root:  # rank 0 serves; this rank runs its part of the model as rank 0's engine says
-        from .server.engine import make_decoder
-        from .server.replicas import follow
+    engine_options = dict(max_batch=max_batch, prefill_chunk=prefill_chunk,
+                          kv_budget=kv_budget_mb << 20 if kv_budget_mb else None,
+                          prompt_cache_bytes=prompt_cache_mb << 20, max_kv_size=max_kv_size, keep=keep,
+                          draft_room=max(draft_tokens, DRAFT_ROOM))
+    if engine_kind == "process":
+        model, engine, drafting = engine_process(model_path, draft_model, lookup, draft_tokens, max_queue,
+                                                 engine_options)
+    else:
+        model = load_model(model_path)
+        draft = load_draft(draft_model, lookup)
+        if not world().is_root:  # rank 0 serves; this rank runs its part of the model as rank 0's engine says
+            from .server.engine import make_decoder
+            from .server.replicas import follow
 
-        follow(make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_mb << 20, max_kv_size, keep))
-        sys.exit(0)  # rank 0 has gone (serve ends its process at once): no barrier to meet
-    if prompt_cache_mb and runtime.model.shard and runtime.model.shard.mode == "pipeline":
-        click.echo("[prompt cache off: a pipeline's ranks hold caches of different sizes]", err=True)
-    settings = ServerSettings(choose_template(runtime.chat_template, template_name, template_file), params,
-                              sampling["max_tokens"], api_key or None,
-                              runtime.drafting(draft, draft_tokens) if draft is not None else None)
-    serve(runtime, settings, host, port, max_batch, prefill_chunk, kv_budget_mb << 20 if kv_budget_mb else None,
-          max_queue, prompt_cache_mb << 20,
-          on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(runtime.path)} on {url}"
+            follow(make_decoder(model, max_batch, prefill_chunk, prompt_cache_mb << 20, max_kv_size, keep))
+            sys.exit(0)  # rank 0 has gone (serve ends its process at once): no barrier to meet
+        if prompt_cache_mb and model.model.shard and model.model.shard.mode == "pipeline":
+            click.echo("[prompt cache off: a pipeline's ranks hold caches of different sizes]", err=True)
+        from .server.engine import Engine
+
+        engine = Engine(model, max_queue=max_queue, **engine_options)
+        drafting = model.drafting(draft, draft_tokens) if draft is not None else None
+    settings = ServerSettings(choose_template(model.chat_template, template_name, template_file), params,
+                              sampling["max_tokens"], api_key or None, drafting)
+    serve(model, engine, settings, host, port,
+          on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(model.path)} on {url}"
                                           f" (template {settings.template.label}){'' if no_webui else ', chat page at /'};"
                                           " Ctrl-C stops", err=True),
-          max_kv_size=max_kv_size, keep=keep, webui=not no_webui, draft_room=max(draft_tokens, DRAFT_ROOM))
+          webui=not no_webui)
+
+
+def engine_process(model_path, draft_model, lookup, draft_tokens, max_queue, engine_options):
+    """serve --engine process: the file read here without its weights, the model loaded and run in
+    a process of its own; and how requests are drafted for (a draft model's vocabulary checked here)."""
+    from .runtime import load_tokenizer, read_model_file
+    from .server.engine_process import ENGINE_DRAFT_MODEL, EngineProcess, EngineSpec
+    from .speculative import Drafting, check_same_vocabulary
+
+    if draft_model and lookup is not None:
+        raise MlxLlamaError("--draft-model and --lookup exclude each other: give one drafter")
+    parallel_requested()  # its one-line error for --pipeline and the like outside mlx.launch
+    model = read_model_file(model_path or default_model_path(), context_requested())
+    drafting = None
+    if draft_model:
+        check_same_vocabulary(load_tokenizer(draft_model), model.tokenizer, draft_model)
+        drafting = Drafting(draft_tokens, model=ENGINE_DRAFT_MODEL)
+    elif lookup is not None:
+        drafting = Drafting(draft_tokens, lookup=lookup)
+    spec = EngineSpec(model.path, dequantize_requested(), context_requested(), kv_quantization_requested(),
+                      draft_model, draft_tokens, engine_options)
+    return model, EngineProcess(spec, max_queue), drafting
 
 
 @main.command("bench")

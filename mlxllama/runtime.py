@@ -232,6 +232,29 @@ def cuda_kernels_wanted() -> bool:
     return on_cuda() and os.environ.get(CUDA_KERNELS_ENV) != "0"
 
 
+@dataclass
+class ModelFile:
+    """A GGUF file read without its weights: its configuration (for a context length, as load's),
+    tokenizer and metadata. What a server's HTTP side needs while its engine's process holds the
+    model (server/engine_process.py)."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    metadata: dict
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template")
+
+
+def read_model_file(path: str | os.PathLike, context_length: int | None = None) -> ModelFile:
+    """What load checks and reads before the weights (every tensor's shape included), and no weights."""
+    gguf = open_gguf(path)
+    config = architecture_of(gguf).read_config(gguf, context_length)
+    return ModelFile(gguf.path, config, Tokenizer.from_metadata(gguf.metadata), gguf.metadata)
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer alone; works on vocab-only GGUF files."""
     return Tokenizer.from_metadata(read_metadata(path))

@@ -45,33 +45,40 @@ def check_listen(host: str, port: int, api_key: str | None) -> None:
     check_port_free(host, port)
 
 
-def serve(runtime, settings, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 16,
-          prefill_chunk: int = 512, kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
-          on_ready=lambda url: None, max_kv_size: int = 0, keep: int = 4, webui: bool = True,
-          draft_room: int = 0) -> None:
-    """Serve until Ctrl-C or SIGTERM (check_listen first); in-flight requests are finished or
-    cancelled, then the engine stops."""
+def serve(model, engine, settings, host: str = "127.0.0.1", port: int = 8080, on_ready=lambda url: None,
+          webui: bool = True) -> None:
+    """Serve `model` (a Runtime, or a ModelFile beside an EngineProcess) through `engine` until
+    Ctrl-C or SIGTERM (check_listen first); in-flight requests are finished or cancelled, then the
+    engine stops. An engine process that ends on its own stops the server with exit code 1."""
     import uvicorn
 
     from .app import create_app
-    from .engine import Engine
+    from .engine_process import EngineProcess
 
-    engine = Engine(runtime, max_batch, prefill_chunk, kv_budget, max_queue, prompt_cache_bytes, max_kv_size, keep,
-                    draft_room)
-    config = uvicorn.Config(create_app(runtime, engine, settings, webui), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(model, engine, settings, webui), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10)
     server = _server_class()(config)
+    lost: list[str] = []
+
+    def on_lost(message: str) -> None:
+        lost.append(message)
+        server.should_exit = True
+
+    if isinstance(engine, EngineProcess):
+        engine.on_lost = on_lost
     try:
         on_ready(f"http://{host}:{port}")
         server.run()
     finally:
         engine.stop()
+    if lost:
+        print(f"mlxllama serve: {lost[0]}; stopped", file=sys.stderr)
     # Stopped cleanly: leave without the interpreter's teardown, in which MLX (0.32) aborts the
     # process ("terminate called without an active exception") when it frees arrays that the
     # engine's thread made, that thread being gone by then.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if lost else 0)
 
 
 def _server_class():

@@ -19,15 +19,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..batching import Request, Row, TokenLogprob
-from ..cache import kv_label
+from ..batching import Request, TokenLogprob
 from ..chat_template import builtin_template, builtin_template_names
 from ..errors import MlxLlamaError
 from ..generate import GenerationResult, check_fits
@@ -35,7 +33,7 @@ from ..prompt import NO_TEMPLATE, Prompt, Template, build_prompt, choose_templat
 from ..sampling import SamplingParams
 from ..speculative import Drafting
 from ..tool_calls import ToolCallStream, ToolUse, tool_use
-from .engine import Engine, Overloaded, Ticket, TooLarge
+from .engine import Engine, Finished, Overloaded, Ticket, TooLarge
 from .protocol import ApiError, Settings, read_anthropic, read_messages, read_prompt, read_settings
 
 
@@ -82,13 +80,7 @@ class Api:
     # ---- the routes ----------------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> Response:
-        cache = self.engine.prompt_cache
-        return JSONResponse({"status": "ok", "requests_running": self.engine.running,
-                             "requests_waiting": self.engine.waiting_count,
-                             "active_memory_bytes": mx.get_active_memory(),
-                             "prompt_cache_bytes": cache.nbytes if cache else 0,
-                             "kv_cache": kv_label(self.runtime.model.kv_quantization),
-                             "max_kv_size": self.engine.decoder.max_kv_size})
+        return JSONResponse({"status": "ok", **await self.engine.health()})
 
     async def props(self, request: HttpRequest) -> Response:
         """What the chat page shows beside a reply: the model, its template's name and source, and
@@ -251,12 +243,12 @@ class Api:
                 raise ApiError("'draft_tokens' needs 'lookup', or a server started with --draft-model or --lookup",
                                "draft_tokens")
             return None
-        if self.runtime.model.shard is not None:
+        if self.engine.sharded:
             raise ApiError("speculative decoding does not run under mlx.launch yet",
                            "lookup" if settings.lookup is not None else "speculative")
         k = settings.draft_tokens or (default.k if default is not None else Drafting.k)
-        room = self.engine.decoder.draft_room
-        if self.engine.decoder.max_kv_size and k > room:
+        room = self.engine.budget.draft_room
+        if self.engine.budget.max_kv_size and k > room:
             raise ApiError(f"'draft_tokens' must be at most {room} on a server with --max-kv-size", "draft_tokens")
         if settings.prediction is not None:
             reference = tuple(self.runtime.tokenizer.encode(settings.prediction, add_bos=False))
@@ -278,7 +270,7 @@ class Api:
             except MlxLlamaError as e:
                 raise ApiError(f"response_format: {e}", "response_format") from None
         try:
-            check_fits(len(prompt.ids), self.engine.decoder.context)
+            check_fits(len(prompt.ids), self.engine.context)
         except MlxLlamaError as e:
             raise ApiError(str(e), "prompt" if chat is False else "messages", code="context_length_exceeded") from None
         request = Request(prompt.ids, settings.max_tokens, settings.params, settings.stop, settings.logprobs,
@@ -306,11 +298,11 @@ class Completion:
         self.api, self.prompt, self.settings = api, prompt, settings
         self.created = int(time.time())
         self.ticket: Ticket | None = None
-        self.row: Row | None = None  # the engine's row, once done
+        self.finished: Finished | None = None  # the engine's record of the request, once done
 
     def submit(self, request: Request) -> asyncio.Queue:
         """Hand the request to the engine; its events arrive on the returned queue:
-        ("text", (piece, log-probabilities)), then ("done", row) or ("error", exception)."""
+        ("text", (piece, log-probabilities, ids)), then ("done", Finished) or ("error", exception)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(kind: str):
@@ -326,8 +318,8 @@ class Completion:
                 if kind == "error":
                     raise value
                 if kind == "done":
-                    self.row = value
-                    return self.whole_body(value.result(), value)
+                    self.finished = value
+                    return self.whole_body(value.result, value)
         finally:
             self.ticket.cancel()  # a client that went away frees its row at the next step
 
@@ -344,8 +336,8 @@ class Completion:
                     yield self.stream_error(value)
                     return
                 else:
-                    self.row = value
-                    for event in self.stream_end(value.result(), value):
+                    self.finished = value
+                    for event in self.stream_end(value.result, value):
                         yield event
                     return
         finally:
@@ -360,8 +352,8 @@ class Completion:
         if not self.settings.return_prompt:
             return {}
         return {"prompt": {"template": self.prompt.template, "text": self.prompt.text, "token_ids": self.prompt.ids,
-                           "completion_token_ids": result.token_ids, "cached_tokens": self.row.cached_tokens,
-                           "prefilled_tokens": self.row.prefilled_tokens}}
+                           "completion_token_ids": result.token_ids, "cached_tokens": self.finished.cached_tokens,
+                           "prefilled_tokens": self.finished.prefilled_tokens}}
 
     def fingerprint(self) -> str:
         return f"mlxllama:{self.api.model_id}:{self.prompt.template}"
@@ -381,9 +373,9 @@ class OpenAICompletion(Completion):
         self.call_stream = ToolCallStream(tools, api.runtime.tokenizer) if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    def whole_body(self, result: GenerationResult, row: Row) -> dict:
-        logprobs = self._logprobs(row.logprobs, row.prompt_logprobs)
-        content, calls = self.tools.read_reply(self.api.runtime.tokenizer, row.ids) if self.tools else ("", [])
+    def whole_body(self, result: GenerationResult, finished: Finished) -> dict:
+        logprobs = self._logprobs(finished.logprobs, finished.prompt_logprobs)
+        content, calls = self.tools.read_reply(self.api.runtime.tokenizer, finished.ids) if self.tools else ("", [])
         if calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
             choice = {"index": 0, "message": message, "finish_reason": "tool_calls", "logprobs": logprobs}
@@ -411,10 +403,10 @@ class OpenAICompletion(Completion):
     def stream_error(self, error: BaseException) -> str:
         return _data(ApiError(f"generation failed ({type(error).__name__})", status=500, kind="server_error").body())
 
-    def stream_end(self, result: GenerationResult, row: Row) -> list[str]:
+    def stream_end(self, result: GenerationResult, finished: Finished) -> list[str]:
         events, finish_reason = [], result.finish_reason
         if self.call_stream is not None:
-            rest, calls = self.call_stream.finish(result.text, row.ids)
+            rest, calls = self.call_stream.finish(result.text, finished.ids)
             if rest:
                 events.append(_data(self._chunk({"content": rest})))
             events += [_data(self._chunk({"tool_calls": [{"index": i, **call.as_openai()}]}))
@@ -472,9 +464,10 @@ class OpenAICompletion(Completion):
         # Speculative decoding's drafts, in the fields of OpenAI's Predicted Outputs (a prediction is a draft).
         speculation = {"completion_tokens_details": {"accepted_prediction_tokens": result.accepted,
                                                      "rejected_prediction_tokens": result.drafted - result.accepted}
-                       } if self.row is not None and self.row.drafter is not None else {}
+                       } if self.finished is not None and self.finished.speculative else {}
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.row.cached_tokens if self.row else 0}, **speculation}
+                "prompt_tokens_details": {"cached_tokens": self.finished.cached_tokens if self.finished else 0},
+                **speculation}
 
 
 class AnthropicMessage(Completion):
@@ -486,7 +479,7 @@ class AnthropicMessage(Completion):
         super().__init__(api, prompt, settings)
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
-    def whole_body(self, result: GenerationResult, row: Row) -> dict:
+    def whole_body(self, result: GenerationResult, finished: Finished) -> dict:
         return {**self._message([{"type": "text", "text": result.text}], result), **self.prompt_extras(result)}
 
     def stream_start(self) -> list[str]:
@@ -504,7 +497,7 @@ class AnthropicMessage(Completion):
         return _named("error", {"type": "error", "error": {"type": "api_error",
                                                            "message": f"generation failed ({type(error).__name__})"}})
 
-    def stream_end(self, result: GenerationResult, row: Row) -> list[str]:
+    def stream_end(self, result: GenerationResult, finished: Finished) -> list[str]:
         return [_named("content_block_stop", {"type": "content_block_stop", "index": 0}),
                 _named("message_delta", {"type": "message_delta", "delta": self._stop(result),
                                          "usage": {"output_tokens": len(result.token_ids)}}),

@@ -3,7 +3,7 @@
 Requests join the running batch at the next step (continuous batching) and leave it when done or
 when their client goes away. The thread hands each request's text to its caller as it becomes
 final, through a callback that the caller makes safe for its own thread (app.py posts to the event
-loop).
+loop). engine_process.py runs this engine in a process of its own, with the same face to the app.
 """
 
 from __future__ import annotations
@@ -18,28 +18,51 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..batching import BatchDecoder, Request, Row
-from ..cache import grown_size, kv_bytes_per_position
-from ..generate import PREFILL_CHUNK
+from ..batching import BatchDecoder, Request, Row, TokenLogprob
+from ..cache import grown_size, kv_bytes_per_position, kv_label
+from ..generate import PREFILL_CHUNK, GenerationResult
 from ..prompt_cache import PromptCache
 from .replicas import LeadingDecoder
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished request as its caller reads it: a record of plain values, since it crosses to the
+    caller's thread (or process) while the engine goes on with the row's batch."""
+
+    result: GenerationResult
+    ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
+    cached_tokens: int  # prompt tokens whose keys and values came from the prompt cache
+    prefilled_tokens: int  # prompt tokens fed through the model
+    speculative: bool  # drafted for: the result's drafted and accepted counts mean something
+
+    @classmethod
+    def of(cls, row: Row) -> Finished:
+        return cls(row.result(), list(row.ids), list(row.logprobs), list(row.prompt_logprobs), row.cached_tokens,
+                   row.prefilled_tokens, row.drafter is not None)
 
 
 @dataclass
 class Ticket:
     """One request in the engine: `on_text((piece, logprobs, ids))` as tokens come (the text they
-    made final, their log-probabilities when asked for, their ids), then `on_done(row)` or
+    made final, their log-probabilities when asked for, their ids), then `on_done(Finished)` or
     `on_error(exception)`, all called from the engine's thread."""
 
     request: Request
     on_text: Callable[[tuple[str, list, list[int]]], None]
-    on_done: Callable[[Row], None]
+    on_done: Callable[[Finished], None]
     on_error: Callable[[BaseException], None]
     cancelled: bool = False
     row: Row | None = field(default=None, repr=False)
+    # Set by an engine that must be told (engine_process.py's): called once, by the first cancel().
+    on_cancel: Callable[[], None] | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
         """The caller went away: the row leaves the batch at the next step."""
+        if not self.cancelled and self.on_cancel is not None:
+            self.on_cancel()
         self.cancelled = True
 
 
@@ -51,32 +74,72 @@ class TooLarge(Exception):
     """A request whose KV cache alone would exceed the memory budget: it could never run."""
 
 
+@dataclass(frozen=True)
+class KvBudget:
+    """The bytes of the batch's KV cache, against the budget they must stay within."""
+
+    budget: int
+    slot_bytes: int  # one position of one row, every layer
+    context_length: int
+    max_kv_size: int  # a ring's positions a row (0: the cache grows)
+    draft_room: int
+
+    def bytes(self, rows: int, slots: int) -> int:
+        """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows; a
+        ring's rows hold max_kv_size positions and the draft room, however many they need)."""
+        if self.max_kv_size:
+            return rows * (self.max_kv_size + self.draft_room) * self.slot_bytes
+        return rows * grown_size(min(slots, self.context_length)) * self.slot_bytes
+
+    @staticmethod
+    def need(request: Request) -> int:
+        return len(request.ids) + request.max_tokens
+
+    def check(self, request: Request) -> None:
+        """TooLarge for a request that could not run even alone."""
+        alone = self.bytes(1, self.need(request))
+        if alone > self.budget:
+            raise TooLarge(f"the request's KV cache ({alone >> 20} MiB) would exceed the server's budget of"
+                           f" {self.budget >> 20} MiB; ask for fewer max_tokens")
+
+
 class Engine:
     """Every request through one BatchDecoder, within a memory budget for the KV cache.
 
     The batch's cache holds every row at the longest row's capacity, so a request is admitted only
     while (rows + 1) x the longest need stays within `kv_budget` bytes (a need: prompt plus
     max_tokens, in the cache's growth steps); the others wait, at most `max_queue` of them, and past
-    that submit() raises Overloaded.
+    that submit() raises Overloaded. `handed_on`, if given, is called after each group of calls to
+    the tickets' callbacks that belong together (a prefill's first tokens, a step's tokens): a
+    caller that buffers them sends them on then.
     """
 
     def __init__(self, runtime, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK,
                  kv_budget: int | None = None, max_queue: int = 64, prompt_cache_bytes: int = 0,
-                 max_kv_size: int = 0, keep: int = 4, draft_room: int = 0):
+                 max_kv_size: int = 0, keep: int = 4, draft_room: int = 0,
+                 handed_on: Callable[[], None] | None = None):
         decoder = make_decoder(runtime, max_batch, prefill_chunk, prompt_cache_bytes, max_kv_size, keep, draft_room)
         self.prompt_cache = decoder.prompt_cache
         # A model split over mlx.launch's ranks: each decoder call goes to the other ranks first.
         self.decoder = LeadingDecoder(decoder) if runtime.model.shard else decoder
-        self.context_length = runtime.config.context_length
         model = runtime.model
-        self.slot_bytes = kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization)
-        self.kv_budget = kv_budget if kv_budget is not None else default_kv_budget()
+        self.sharded = model.shard is not None
+        self.kv_cache_label = kv_label(model.kv_quantization)
+        self.budget = KvBudget(kv_budget if kv_budget is not None else default_kv_budget(),
+                               kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization),
+                               runtime.config.context_length, decoder.max_kv_size, decoder.draft_room)
         self.max_queue = max_queue
+        self.handed_on = handed_on or (lambda: None)
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()
         self.waiting: deque[Ticket] = deque()
         self.tickets: list[Ticket] = []
         self.thread = threading.Thread(target=self._run, name="mlxllama-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def context(self) -> int | None:
+        """The most positions a prompt and its reply may take (None: a rotating cache, no bound)."""
+        return self.decoder.context
 
     @property
     def running(self) -> int:
@@ -88,20 +151,18 @@ class Engine:
         """Requests submitted and not yet in the batch."""
         return self.inbox.qsize() + len(self.waiting)
 
-    def kv_bytes(self, rows: int, slots: int) -> int:
-        """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows; a
-        ring's rows hold the decoder's max_kv_size positions and its draft room, however many they need)."""
-        if self.decoder.max_kv_size:
-            return rows * (self.decoder.max_kv_size + self.decoder.draft_room) * self.slot_bytes
-        return rows * grown_size(min(slots, self.context_length)) * self.slot_bytes
+    async def health(self) -> dict:
+        """What GET /health reports of the engine."""
+        return self.report()
 
-    def need(self, request: Request) -> int:
-        return len(request.ids) + request.max_tokens
+    def report(self) -> dict:
+        return {"requests_running": self.running, "requests_waiting": self.waiting_count,
+                "active_memory_bytes": mx.get_active_memory(),
+                "prompt_cache_bytes": self.prompt_cache.nbytes if self.prompt_cache else 0,
+                "kv_cache": self.kv_cache_label, "max_kv_size": self.budget.max_kv_size, "engine_pid": os.getpid()}
 
     def submit(self, ticket: Ticket) -> Ticket:
-        if self.kv_bytes(1, self.need(ticket.request)) > self.kv_budget:
-            raise TooLarge(f"the request's KV cache ({self.kv_bytes(1, self.need(ticket.request)) >> 20} MiB) would"
-                           f" exceed the server's budget of {self.kv_budget >> 20} MiB; ask for fewer max_tokens")
+        self.budget.check(ticket.request)
         if self.waiting_count >= self.max_queue:
             raise Overloaded(f"{self.max_queue} requests are already waiting")
         self.inbox.put(ticket)
@@ -118,6 +179,7 @@ class Engine:
         for ticket in self.tickets + list(self.waiting):
             with contextlib.suppress(RuntimeError):  # its event loop may be closed already
                 ticket.on_error(RuntimeError("the server is stopping"))
+        self.handed_on()
 
     def _serve(self) -> None:
         while True:
@@ -133,10 +195,12 @@ class Engine:
                     # A prompt all fed has its first token now: it goes out before the step, not after.
                     for ticket in self.tickets:
                         self._hand_on(ticket)
+                    self.handed_on()
                 finished += self.decoder.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 for ticket in self.tickets:
                     ticket.on_error(e)
+                self.handed_on()
                 self.decoder.drop([t.row for t in self.tickets])
                 self.tickets = []
                 continue
@@ -144,6 +208,7 @@ class Engine:
                 self._hand_on(ticket)
             for ticket in [t for t in self.tickets if t.row in finished]:
                 self._finish(ticket)
+            self.handed_on()
 
     def _admit(self) -> bool:
         """Move new requests to the waiting line (waiting for one when nothing runs), then admit
@@ -161,8 +226,8 @@ class Engine:
             if ticket.cancelled:
                 self.waiting.popleft()
                 continue
-            longest = max([self.need(t.request) for t in self.tickets] + [self.need(ticket.request)])
-            if self.tickets and self.kv_bytes(len(self.tickets) + 1, longest) > self.kv_budget:
+            longest = max([self.budget.need(t.request) for t in self.tickets] + [self.budget.need(ticket.request)])
+            if self.tickets and self.budget.bytes(len(self.tickets) + 1, longest) > self.budget.budget:
                 break  # it waits for rows to finish
             self.waiting.popleft()
             try:
@@ -178,9 +243,9 @@ class Engine:
 
     def _finish(self, ticket: Ticket) -> None:
         self.tickets.remove(ticket)
-        ticket.row.result()  # closes the text: what was held back for stop strings is final now
+        finished = Finished.of(ticket.row)  # closes the text: what was held back for stop strings is final now
         self._hand_on(ticket)
-        ticket.on_done(ticket.row)
+        ticket.on_done(finished)
 
     @staticmethod
     def _hand_on(ticket: Ticket) -> None:

@@ -31,9 +31,14 @@ JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5
 PROMPT_CACHE_MB = 1
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--prompt-cache-mb", str(PROMPT_CACHE_MB))
+# Every test through the server runs against both engines: a thread of the server's process, and a
+# process of its own (server/engine_process.py), which must answer the same in every way.
+ENGINES = ["thread", "process"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request):
+    s = Server("--prompt-cache-mb", str(PROMPT_CACHE_MB), "--engine", request.param)
     yield s
     s.stop()
 
@@ -163,21 +168,24 @@ def test_a_host_other_machines_reach_needs_a_key():
                              " give --api-key KEY too\n")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("given, seen", [(None, "0"), ("1", "1")])
-def test_serve_turns_cuda_graphs_off_before_the_model_loads_unless_told(monkeypatch, given, seen):
-    """MLX reads MLX_USE_CUDA_GRAPHS at its first launch, so serve sets it before loading anything."""
+def test_serve_turns_cuda_graphs_off_before_the_model_loads_unless_told(monkeypatch, given, seen, engine):
+    """MLX reads MLX_USE_CUDA_GRAPHS at its first launch, so serve sets it before loading anything
+    (an engine process inherits the environment as it is when it is spawned)."""
     if given is None:
         monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
     else:
         monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", given)
     at_load = []
 
-    def load_model(path, *args, **kwargs):
+    def load(*args, **kwargs):
         at_load.append(os.environ.get("MLX_USE_CUDA_GRAPHS"))
         raise MlxLlamaError("stopped before loading")
 
-    monkeypatch.setattr("mlxllama.cli.load_model", load_model)
-    result = CliRunner().invoke(main, ["serve", "-m", str(MODEL), "--port", "0"])
+    where = "mlxllama.cli.load_model" if engine == "thread" else "mlxllama.server.engine_process.EngineProcess"
+    monkeypatch.setattr(where, load)
+    result = CliRunner().invoke(main, ["serve", "-m", str(MODEL), "--port", "0", "--engine", engine])
     assert (result.exit_code, at_load) == (2, [seen]), result.output
 
 
@@ -309,11 +317,12 @@ def test_completions_echo_scores_a_text_without_generating(client, runtime):
     assert choice.logprobs.text_offset[:4] == [0, 0, len("The"), len("The capital")]
 
 
-def test_a_memory_budget_makes_requests_wait_then_answers_503(runtime):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_memory_budget_makes_requests_wait_then_answers_503(runtime, engine):
     """A budget of 1 MB holds one chat-tiny row of 256 slots (786 KB), not two, nor one of 512: with
     room for one more waiting request, a burst of eight gets some 503s with Retry-After, and every
     other request is answered in full with its single-request text."""
-    server = Server("--kv-budget-mb", "1", "--max-queue", "1")
+    server = Server("--kv-budget-mb", "1", "--max-queue", "1", "--engine", engine)
     try:
         too_large = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 500})
         assert too_large.status_code == 400 and too_large.json()["error"]["param"] == "max_tokens"
@@ -382,10 +391,12 @@ def test_an_unforeseen_failure_is_a_500_for_that_request_alone(runtime):
         engine.stop()
 
 
-def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight(engine):
     import signal
 
-    server = Server()
+    server = Server("--engine", engine)
+    engine_pid = httpx.get(f"{server.url}/health").json()["engine_pid"]
     with httpx.stream("POST", f"{server.url}/v1/completions",
                       json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as response:
         next(response.iter_lines())
@@ -393,6 +404,38 @@ def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight():
         server.process.wait(timeout=30)
     stderr = server.process.stderr.read()
     assert server.process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert not alive(engine_pid)  # an engine of its own process went with it
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_an_engine_process_that_ends_stops_the_server_with_one_line():
+    """The engine's process killed mid-stream: the stream ends with its error event, and the server
+    leaves with exit code 1 and one line saying why, not serving requests no engine will answer."""
+    import signal
+
+    server = Server("--engine", "process")
+    engine_pid = httpx.get(f"{server.url}/health").json()["engine_pid"]
+    assert engine_pid != server.process.pid
+    with httpx.stream("POST", f"{server.url}/v1/completions",
+                      json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.kill(engine_pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(rest[-1][6:])["error"] == {"message": "generation failed (EngineLost)", "type": "server_error",
+                                                 "param": None, "code": None}
+    server.process.wait(timeout=30)
+    stderr = server.process.stderr.read()
+    assert server.process.returncode == 1, stderr
+    assert stderr.splitlines()[-1] == "mlxllama serve: the engine's process ended (exit code -9); stopped"
     assert "Traceback" not in stderr
 
 

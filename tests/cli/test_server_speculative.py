@@ -58,10 +58,12 @@ def test_a_request_asks_for_prompt_lookup_and_gets_the_plain_text(looping_server
             assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] > 0, i
 
 
-def test_a_server_with_a_draft_model_drafts_every_request_unless_told_not_to():
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_a_server_with_a_draft_model_drafts_every_request_unless_told_not_to(engine):
     """--draft-model (the model itself here: its drafts are its own picks, all kept on the CPU):
-    replies, whole and streamed, are the plain replies; "speculative": false turns it off."""
-    server = Server("-m", str(MODEL), "--draft-model", str(MODEL), "--draft-tokens", "3")
+    replies, whole and streamed, are the plain replies; "speculative": false turns it off. An engine
+    of its own process loads the draft model there."""
+    server = Server("-m", str(MODEL), "--draft-model", str(MODEL), "--draft-tokens", "3", "--engine", engine)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         runtime = mlxllama.load(MODEL)

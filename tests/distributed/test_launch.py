@@ -186,6 +186,8 @@ def test_launch_errors_are_one_line(tmp_path):
     assert result.stderr.count("mlxllama: error") == 1  # rank 0 says it for both
     result = launch(*mlxllama_cli("generate", "-p", "-"), stdin="hi\n")
     assert "standard input never ends" in result.stderr
+    result = launch(*mlxllama_cli("serve", "--engine", "process"))
+    assert "mlxllama: error: --engine process is not supported under mlx.launch" in result.stderr
 
 
 def test_each_rank_holds_its_share_of_the_layers_and_the_replicated_rest(tmp_path):

@@ -32,8 +32,8 @@ class Recorded:
             self.texts[name] = self.texts.get(name, "") + update[0]
             self.started.set()
 
-        def on_done(row):
-            self.results[name] = row.result()
+        def on_done(finished):
+            self.results[name] = finished.result
             done.set()
 
         self.engine.submit(Ticket(Request(ids, max_tokens), on_text, on_done, lambda e: done.set()))
@@ -100,3 +100,15 @@ def test_warm_up_runs_every_batch_size_class_and_prefill_class_and_leaves_nothin
     assert [n for n, max_tokens in admitted if max_tokens == 1] == [2, 3, 5, 9, 17]
     assert fed[-6:] == [2, 3, 5, 9, 16, 1]
     assert not decoder.rows and not decoder.joining and decoder.prompt_cache is None
+
+
+def test_an_error_crosses_from_the_engine_process_as_itself_or_as_its_type_and_text():
+    from mlxllama.server.engine_process import sendable
+
+    class Unpicklable(Exception):  # a local class: pickle cannot name it
+        pass
+
+    error = ValueError("bad token")
+    assert sendable(error) is error
+    stand_in = sendable(Unpicklable("lost in the pipe"))
+    assert type(stand_in) is RuntimeError and str(stand_in) == "Unpicklable: lost in the pipe"
