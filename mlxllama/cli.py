@@ -498,9 +498,9 @@ def discard() -> Iterator[tuple[set[str], object]]:
 @click.option("--template-file", type=click.Path(dir_okay=False), help="Use the chat template in this file.")
 @click.option("--no-webui", is_flag=True, help="Serve the API only, not the chat page at /.")
 @click.option("--engine", "engine_kind", type=click.Choice(["process", "thread"]), default=None,
-              help="Run the model in a process of its own (the default; under mlx.launch, a thread), so that the"
-                   " HTTP side and the engine never wait for each other's interpreter, or in a thread of the"
-                   " server's process (docs/server.md).")
+              help="Run the model in a process of its own, so that the HTTP side and the engine never wait for"
+                   " each other's interpreter (the default on a GPU), or in a thread of the server's process (the"
+                   " default on the CPU and under mlx.launch; docs/server.md).")
 @kv_size_options
 @speculation_options
 @sampling_options
@@ -521,7 +521,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     """
     from .cache import check_kv_size
     from .prompt import choose_template
-    from .server import DRAFT_ROOM, check_listen, launch_without_cuda_graphs, serve
+    from .server import DRAFT_ROOM, check_listen, default_engine, launch_without_cuda_graphs, serve
 
     try:
         from .server.app import ServerSettings
@@ -534,7 +534,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     if engine_kind == "process" and launched():
         raise MlxLlamaError("--engine process is not supported under mlx.launch: a split model's engine runs in"
                             " rank 0's thread")
-    engine_kind = engine_kind or ("thread" if launched() else "process")
+    engine_kind = engine_kind or default_engine()
     params = sampling_params(sampling)
     if world().is_root:
         check_listen(host, port, api_key)

@@ -28,6 +28,19 @@ def launch_without_cuda_graphs() -> None:
     os.environ.setdefault(CUDA_GRAPHS_ENV, "0")
 
 
+def default_engine() -> str:
+    """serve's --engine where it is not given. On a GPU (Metal, CUDA) the engine's Python and the
+    HTTP side's take turns at one interpreter lock: a process of its own halved TTFT p95 at 16
+    clients on an H100. On MLX's CPU backend the model's work is the CPU's: on this project's 2
+    cores the split changed nothing beyond the noise (docs/benchmarks.md) and costs a second
+    interpreter, so a thread there. Under mlx.launch rank 0's engine is a thread (server/replicas.py)."""
+    import mlx.core as mx
+
+    from ..distributed import launched
+
+    return "thread" if launched() or mx.default_device() == mx.cpu else "process"
+
+
 def is_loopback(host: str) -> bool:
     """Whether every address `host` names is on this machine alone (127.0.0.0/8, ::1)."""
     try:

@@ -189,6 +189,25 @@ def test_serve_turns_cuda_graphs_off_before_the_model_loads_unless_told(monkeypa
     assert (result.exit_code, at_load) == (2, [seen]), result.output
 
 
+@pytest.mark.parametrize("device, engine", [("cpu", "thread"), ("gpu", "process")])
+def test_the_engine_is_a_process_of_its_own_on_a_gpu_and_a_thread_on_the_cpu(monkeypatch, device, engine):
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx, "default_device", lambda: getattr(mx, device))
+    started = []
+
+    def stand_in(kind: str):
+        def start(*args, **kwargs):
+            started.append(kind)
+            raise MlxLlamaError("stopped before loading")
+        return start
+
+    monkeypatch.setattr("mlxllama.cli.load_model", stand_in("thread"))
+    monkeypatch.setattr("mlxllama.server.engine_process.EngineProcess", stand_in("process"))
+    result = CliRunner().invoke(main, ["serve", "-m", str(MODEL), "--port", "0"])
+    assert (result.exit_code, started) == (2, [engine]), result.output
+
+
 @pytest.fixture(scope="module")
 def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
