@@ -34,6 +34,7 @@ from ..sampling import SamplingParams
 from ..speculative import Drafting
 from ..tool_calls import ToolCallStream, ToolUse, tool_use
 from .engine import Engine, Finished, Overloaded, Ticket, TooLarge
+from .engine_process import EngineProcess
 from .protocol import ApiError, Settings, read_anthropic, read_messages, read_prompt, read_settings
 
 
@@ -53,8 +54,11 @@ PREDICTION_NGRAM = 3
 WEBUI = Path(__file__).parent.parent / "webui"
 
 
-def create_app(runtime, engine: Engine, settings: ServerSettings, webui: bool = True) -> Starlette:
-    api = Api(runtime, engine, settings)
+def create_app(model, engine: Engine | EngineProcess, settings: ServerSettings, webui: bool = True) -> Starlette:
+    """The app over `engine`, for `model`: a loaded Runtime, or a ModelFile (the file without its
+    weights) where an EngineProcess holds the model. It reads the model's path, configuration,
+    tokenizer and chat template, and asks the engine for the rest."""
+    api = Api(model, engine, settings)
     page = [Route("/", lambda request: FileResponse(WEBUI / "index.html"), methods=["GET"]),
             Mount("/webui", StaticFiles(directory=WEBUI), name="webui")] if webui else []
     routes = page + [
@@ -71,9 +75,9 @@ def create_app(runtime, engine: Engine, settings: ServerSettings, webui: bool = 
 
 
 class Api:
-    def __init__(self, runtime, engine: Engine, settings: ServerSettings):
-        self.runtime, self.engine, self.settings = runtime, engine, settings
-        self.model_id = os.path.basename(runtime.path)
+    def __init__(self, model, engine: Engine | EngineProcess, settings: ServerSettings):
+        self.model, self.engine, self.settings = model, engine, settings
+        self.model_id = os.path.basename(model.path)
         self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
@@ -87,7 +91,7 @@ class Api:
         the built-in templates a request may pick instead (with theirs)."""
         template = self.settings.template
         return await self._guarded(request, lambda body: JSONResponse({
-            "model": self.model_id, "path": self.runtime.path, "context_length": self.runtime.config.context_length,
+            "model": self.model_id, "path": self.model.path, "context_length": self.model.config.context_length,
             "template": {"label": template.label, "source": template.text},
             "templates": {name: builtin_template(name) for name in builtin_template_names()}}), read=False)
 
@@ -110,7 +114,7 @@ class Api:
     async def completions(self, request: HttpRequest) -> Response:
         async def handle(body: dict) -> Response:
             settings = read_settings(body, self.settings.params, self.settings.max_tokens, {"prompt"})
-            prompt = build_prompt(self.runtime.tokenizer, NO_TEMPLATE, messages_for(read_prompt(body)))
+            prompt = build_prompt(self.model.tokenizer, NO_TEMPLATE, messages_for(read_prompt(body)))
             return await self._respond(prompt, settings, chat=False)
 
         return await self._guarded(request, handle)
@@ -133,9 +137,9 @@ class Api:
             add_special, parse_special = body.get("add_special", False), body.get("parse_special", True)
             if not isinstance(add_special, bool) or not isinstance(parse_special, bool):
                 raise ApiError("'add_special' and 'parse_special' must be true or false", "add_special")
-            ids = self.runtime.tokenizer.encode(content, add_bos=add_special, special=parse_special)
+            ids = self.model.tokenizer.encode(content, add_bos=add_special, special=parse_special)
             if body.get("with_pieces"):
-                tokenizer = self.runtime.tokenizer
+                tokenizer = self.model.tokenizer
                 return JSONResponse({"tokens": [{"id": i, "piece": tokenizer.id_to_piece(i)} for i in ids]})
             return JSONResponse({"tokens": ids})
 
@@ -144,10 +148,10 @@ class Api:
     async def detokenize(self, request: HttpRequest) -> Response:
         async def handle(body: dict) -> Response:
             tokens = body.get("tokens")
-            vocab = self.runtime.tokenizer.vocab_size
+            vocab = self.model.tokenizer.vocab_size
             if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
                 raise ApiError(f"'tokens' must be a list of token ids below {vocab}", "tokens")
-            tokenizer = self.runtime.tokenizer
+            tokenizer = self.model.tokenizer
             if body.get("with_pieces"):  # each id's piece, and whether it is a control token
                 return JSONResponse({"content": tokenizer.decode(tokens), "pieces": [
                     {"id": t, "piece": tokenizer.id_to_piece(t), "special": tokenizer.is_control(t)} for t in tokens]})
@@ -165,7 +169,7 @@ class Api:
     def token_text(self, token: int) -> str:
         """A token as text in log-probability listings: what it decodes to, or its name for a control token."""
         if token not in self._token_texts:
-            tokenizer = self.runtime.tokenizer
+            tokenizer = self.model.tokenizer
             raw = tokenizer.token_bytes(token)
             self._token_texts[token] = raw.decode("utf-8", errors="replace") if raw else tokenizer.id_to_piece(token)
         return self._token_texts[token]
@@ -201,7 +205,7 @@ class Api:
 
     def _chat_prompt(self, template: Template, messages: list[dict], template_kwargs: dict | None = None) -> Prompt:
         try:
-            return build_prompt(self.runtime.tokenizer, template, messages, template_kwargs)
+            return build_prompt(self.model.tokenizer, template, messages, template_kwargs)
         except MlxLlamaError as e:
             raise ApiError(str(e), "messages") from None
 
@@ -216,8 +220,8 @@ class Api:
             if settings.constraint is not None:
                 raise ApiError("'response_format' cannot be combined with a required tool call", "response_format")
             try:
-                settings.constraint = use.constraint(self.runtime.tokenizer)
-                settings.constraint.check(self.runtime.tokenizer)
+                settings.constraint = use.constraint(self.model.tokenizer)
+                settings.constraint.check(self.model.tokenizer)
             except MlxLlamaError as e:
                 raise ApiError(f"tools: {e}", "tools") from None
         return use
@@ -228,7 +232,7 @@ class Api:
         if name == "none":
             return NO_TEMPLATE
         try:
-            return choose_template(self.runtime.chat_template, name)
+            return choose_template(self.model.chat_template, name)
         except MlxLlamaError as e:
             raise ApiError(str(e), "chat_template") from None
 
@@ -251,7 +255,7 @@ class Api:
         if self.engine.budget.max_kv_size and k > room:
             raise ApiError(f"'draft_tokens' must be at most {room} on a server with --max-kv-size", "draft_tokens")
         if settings.prediction is not None:
-            reference = tuple(self.runtime.tokenizer.encode(settings.prediction, add_bos=False))
+            reference = tuple(self.model.tokenizer.encode(settings.prediction, add_bos=False))
             n = settings.lookup or (default.lookup if default is not None and default.lookup else PREDICTION_NGRAM)
             return Drafting(k, lookup=n, reference=reference)
         if settings.lookup is not None:
@@ -261,12 +265,12 @@ class Api:
     async def _respond(self, prompt: Prompt, settings: Settings, chat: bool | None,
                        tools: ToolUse | None = None) -> Response:
         """The answer to a prompt: OpenAI's chat (chat True) or text completion (False), or Anthropic's message (None)."""
-        vocab = self.runtime.tokenizer.vocab_size
+        vocab = self.model.tokenizer.vocab_size
         if any(token >= vocab for token, _ in settings.params.logit_bias):
             raise ApiError(f"'logit_bias' names a token id outside the vocabulary of {vocab}", "logit_bias")
         if settings.constraint is not None and tools is None:
             try:
-                settings.constraint.check(self.runtime.tokenizer)
+                settings.constraint.check(self.model.tokenizer)
             except MlxLlamaError as e:
                 raise ApiError(f"response_format: {e}", "response_format") from None
         try:
@@ -370,12 +374,12 @@ class OpenAICompletion(Completion):
         super().__init__(api, prompt, settings)
         self.chat = chat
         self.tools = tools
-        self.call_stream = ToolCallStream(tools, api.runtime.tokenizer) if tools else None
+        self.call_stream = ToolCallStream(tools, api.model.tokenizer) if tools else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
     def whole_body(self, result: GenerationResult, finished: Finished) -> dict:
         logprobs = self._logprobs(finished.logprobs, finished.prompt_logprobs)
-        content, calls = self.tools.read_reply(self.api.runtime.tokenizer, finished.ids) if self.tools else ("", [])
+        content, calls = self.tools.read_reply(self.api.model.tokenizer, finished.ids) if self.tools else ("", [])
         if calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
             choice = {"index": 0, "message": message, "finish_reason": "tool_calls", "logprobs": logprobs}
@@ -444,7 +448,7 @@ class OpenAICompletion(Completion):
             return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                                 for t in generated]}
         scored: list[tuple[int, float | None, dict | None]] = []
-        decode = self.api.runtime.tokenizer.decode
+        decode = self.api.model.tokenizer.decode
         offsets: list[int] = []
         if self.settings.echo:
             scored.append((self.prompt.ids[0], None, None))
