@@ -46,6 +46,7 @@
 #                                                 # at each of CLIENTS (default 1,8,16,32), benchmarks/serve_bench.py;
 #                                                 # ROUNDS (default 1) times over, alternating, each run labelled with its round;
 #                                                 # SERVE_ENGINES="thread process": ours with each --engine in turn
+#                                                 # (default: process, as serve runs on a GPU); logs in $OUT/serve-logs
 #   bash benchmarks/gpu.sh engine [CLIENTS [ARGS]] # there: what a served first token waits for, every engine call timed
 #                                                 # under CLIENTS streaming clients (default 16; benchmarks/engine_turns.py
 #                                                 # ARGS, e.g. --eval-joins, --split-step)
@@ -240,35 +241,34 @@ wait_healthy() {  # url pid: until GET url/health is 200, or the server has died
 }
 
 serve_bench() {  # each round and concurrency: our server, then llama-server, the same client and settings
-    mkdir -p "$out"
-    local clients round pid engine url=http://127.0.0.1:8090 bin=$work/llama-build/bin
-    # SERVE_ENGINES: serve's --engine values to run in turn each round (default the thread alone,
-    # labelled "mlxllama" as before; others "mlxllama-ENGINE")
-    local engines=${SERVE_ENGINES:-thread}
-    label() { [ "$engines" = thread ] && echo mlxllama || echo "mlxllama-$1"; }
+    mkdir -p "$out/serve-logs"  # the logs in a folder: a call brings back at most 8 files
+    local clients round engine url=http://127.0.0.1:8090 bin=$work/llama-build/bin
+    # SERVE_ENGINES: serve's --engine values to run in turn each round (default the process alone, as
+    # serve runs on a GPU, labelled "mlxllama"; several are labelled "mlxllama-ENGINE")
+    local engines=${SERVE_ENGINES:-process}
+    label() { [ "$engines" = "$1" ] && echo mlxllama || echo "mlxllama-$1"; }
+    measure() {  # LABEL COMMAND...: start a server, run the client against it, stop it
+        local label=$1 pid
+        shift
+        "$@" > "$out/serve-logs/$label-$clients.log" 2>&1 &
+        pid=$!
+        wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
+            --requests 4 --max-tokens 128 --warmup --label "$label-$round" --json "$out/serve-$label-$clients-$round.json"
+        kill $pid; wait $pid
+    }
     # The build takes every core: wait for it, so that neither server is measured beside it.
     llama_cpp_built
     for round in $(seq "${2:-1}"); do
       for clients in ${1//,/ }; do
         for engine in $engines; do
             log mlxllama serve --engine $engine, $clients clients, round $round
-            python3 -m mlxllama serve -m "$model" --port 8090 --max-batch "$clients" --engine $engine \
-                > "$out/mlxllama-serve-$engine-$clients.log" 2>&1 &
-            pid=$!
-            wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
-                --requests 4 --max-tokens 128 --warmup --label "$(label $engine)-$round" \
-                --json "$out/serve-mlxllama-$engine-$clients-$round.json"
-            kill $pid; wait $pid
+            measure "$(label $engine)" python3 -m mlxllama serve -m "$model" --port 8090 --max-batch "$clients" \
+                --engine $engine
         done
         [ -x "$bin/llama-server" ] || continue
         log llama-server -np $clients, round $round
-        "$bin/llama-server" -m "$model" --port 8090 -np "$clients" -c $((clients * 512)) -ngl 99 -fa on --jinja \
-            > "$out/llama-server-$clients.log" 2>&1 &
-        pid=$!
-        wait_healthy $url $pid && timeout 300 python3 benchmarks/serve_bench.py --url $url --clients "$clients" \
-            --requests 4 --max-tokens 128 --warmup --label "llama-server-$round" \
-            --json "$out/serve-llama-server-$clients-$round.json"
-        kill $pid; wait $pid
+        measure llama-server "$bin/llama-server" -m "$model" --port 8090 -np "$clients" -c $((clients * 512)) -ngl 99 \
+            -fa on --jinja
       done
     done
     python3 -c "import glob, json, os; runs = [json.load(open(f)) for f in sorted(glob.glob('$out/serve-*.json'))]
