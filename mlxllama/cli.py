@@ -544,8 +544,11 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
                           prompt_cache_bytes=prompt_cache_mb << 20, max_kv_size=max_kv_size, keep=keep,
                           draft_room=max(draft_tokens, DRAFT_ROOM))
     if engine_kind == "process":
-        model, engine, drafting = engine_process(model_path, draft_model, lookup, draft_tokens, max_queue,
-                                                 engine_options)
+        from .server.engine_process import EngineProcess
+
+        model, spec, drafting = engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_options)
+        template = choose_template(model.chat_template, template_name, template_file)  # its errors first
+        engine = EngineProcess(spec, max_queue)
     else:
         model = load_model(model_path)
         draft = load_draft(draft_model, lookup)
@@ -559,10 +562,10 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
             click.echo("[prompt cache off: a pipeline's ranks hold caches of different sizes]", err=True)
         from .server.engine import Engine
 
+        template = choose_template(model.chat_template, template_name, template_file)
         engine = Engine(model, max_queue=max_queue, **engine_options)
         drafting = model.drafting(draft, draft_tokens) if draft is not None else None
-    settings = ServerSettings(choose_template(model.chat_template, template_name, template_file), params,
-                              sampling["max_tokens"], api_key or None, drafting)
+    settings = ServerSettings(template, params, sampling["max_tokens"], api_key or None, drafting)
     serve(model, engine, settings, host, port,
           on_ready=lambda url: click.echo(f"mlxllama serve: {os.path.basename(model.path)} on {url}"
                                           f" (template {settings.template.label}){'' if no_webui else ', chat page at /'};"
@@ -570,11 +573,11 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
           webui=not no_webui)
 
 
-def engine_process(model_path, draft_model, lookup, draft_tokens, max_queue, engine_options):
-    """serve --engine process: the file read here without its weights, the model loaded and run in
-    a process of its own; and how requests are drafted for (a draft model's vocabulary checked here)."""
+def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_options):
+    """serve --engine process: the file read here without its weights, what the engine's process is
+    to load and run, and how requests are drafted for (a draft model's vocabulary checked here)."""
     from .runtime import load_tokenizer, read_model_file
-    from .server.engine_process import ENGINE_DRAFT_MODEL, EngineProcess, EngineSpec
+    from .server.engine_process import ENGINE_DRAFT_MODEL, EngineSpec
     from .speculative import Drafting, check_same_vocabulary
 
     if draft_model and lookup is not None:
@@ -589,7 +592,7 @@ def engine_process(model_path, draft_model, lookup, draft_tokens, max_queue, eng
         drafting = Drafting(draft_tokens, lookup=lookup)
     spec = EngineSpec(model.path, dequantize_requested(), context_requested(), kv_quantization_requested(),
                       draft_model, draft_tokens, engine_options)
-    return model, EngineProcess(spec, max_queue), drafting
+    return model, spec, drafting
 
 
 @main.command("bench")

@@ -10,6 +10,7 @@ also pulled in by `serve`): it is imported only when a constraint is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from collections import OrderedDict
@@ -162,11 +163,17 @@ class Guide:
             raise InvalidConstraint(f"{NAMES[constraint.kind]}: {one_line(self.matcher.get_error())}")
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         self._fill = llguidance.numpy.fill_next_token_bitmask
-        # Bit i of each 32-bit word, kept on the device: only the words cross from the host.
-        self._bits = mx.arange(32, dtype=mx.uint32)
-        mx.eval(self._bits)
         self._recent: OrderedDict[bytes, mx.array] = OrderedDict()  # masks' words on the device, newest last
         self._moved: list[bool] = []  # for each accepted token, whether the matcher took a new state (rollback)
+
+    @functools.cached_property
+    def _bits(self) -> mx.array:
+        """Bit i of each 32-bit word, kept on the device: only the words cross from the host. Made
+        at the first mask, so that compiling a constraint alone (Constraint.check, in a server's
+        HTTP process) makes no MLX array."""
+        bits = mx.arange(32, dtype=mx.uint32)
+        mx.eval(bits)
+        return bits
 
     def allowed_ids(self) -> np.ndarray:
         """A bool per token id: may it come next?"""

@@ -20,12 +20,11 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-_IQ4_KVALUES = mx.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-    dtype=mx.float32,
-)
-# IQ4's codebook is integers in [-127, 113], so shifted by 128 it is an exact 8-bit grid.
-_IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(mx.uint8)
+# IQ4's codebook, in numpy until a weight is converted: importing the package makes no MLX array,
+# so a process that only reads files and serves HTTP (server/engine_process.py) never touches the device.
+_IQ4_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+# The codebook is integers in [-127, 113], so shifted by 128 it is an exact 8-bit grid.
+_IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(np.uint8)
 
 
 class Fields(dict):
@@ -170,7 +169,7 @@ def _q6_k(f: Fields) -> mx.array:
 
 
 def _iq4_nl(f: Fields) -> mx.array:
-    return _f16(f["d"]) * mx.take(_IQ4_KVALUES, _nibbles(f["qs"]))
+    return _f16(f["d"]) * mx.take(mx.array(_IQ4_KVALUES), _nibbles(f["qs"]))
 
 
 def _iq4_xs_scales(f: Fields) -> mx.array:
@@ -185,7 +184,7 @@ def _iq4_xs_scales(f: Fields) -> mx.array:
 
 def _iq4_xs(f: Fields) -> mx.array:
     n = f.n
-    q = mx.take(_IQ4_KVALUES, _nibbles(f["qs"].reshape(n, 8, 16)))
+    q = mx.take(mx.array(_IQ4_KVALUES), _nibbles(f["qs"].reshape(n, 8, 16)))
     return (_iq4_xs_scales(f).reshape(n, 8, 1) * q).reshape(n, 256)
 
 
@@ -226,12 +225,12 @@ def _k_affine(q: Callable[[Fields], mx.array]):
 
 def _affine_iq4_nl(f: Fields):
     d = _f16(f["d"])
-    return mx.take(_IQ4_KVALUES_U8, _nibbles(f["qs"])), d, -128 * d
+    return mx.take(mx.array(_IQ4_KVALUES_U8), _nibbles(f["qs"])), d, -128 * d
 
 
 def _affine_iq4_xs(f: Fields):
     scale = _iq4_xs_scales(f)
-    q = mx.take(_IQ4_KVALUES_U8, _nibbles(f["qs"].reshape(f.n, 8, 16)))
+    q = mx.take(mx.array(_IQ4_KVALUES_U8), _nibbles(f["qs"].reshape(f.n, 8, 16)))
     return q, scale, -128 * scale
 
 

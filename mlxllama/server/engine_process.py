@@ -12,6 +12,7 @@ health questions go down; each engine turn's events come up as one message.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import itertools
@@ -91,6 +92,10 @@ class EngineProcess:
         self.sending = threading.Lock()
         self.reader = threading.Thread(target=self._read, name="mlxllama-engine-reader", daemon=True)
         self.reader.start()
+        # A server's process that leaves without stop() (an error before it serves) would otherwise
+        # wait at exit for the engine's, which waits on the pipe: multiprocessing joins its children
+        # after the handlers registered later than its own, such as this one.
+        atexit.register(self.stop)
 
     @property
     def waiting_count(self) -> int:
@@ -119,6 +124,8 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Stop the engine (its requests fail with "the server is stopping") and its process."""
+        if self.stopping:
+            return
         self.stopping = True
         try:
             self._send(("stop",))
@@ -209,8 +216,10 @@ def sendable(error: BaseException) -> BaseException:
 def run(conn, spec: EngineSpec) -> None:
     """The engine's process: load, warm up, say so, then serve the pipe until told to stop or until
     the server's process is gone (the pipe's end)."""
-    # Ctrl-C in a terminal reaches the whole process group: the server's process decides, and says.
+    # Ctrl-C in a terminal, `timeout`, or a service manager's stop reach the whole process group (or
+    # cgroup): the server's process decides, stops this one through the pipe, and says why.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox = Outbox(conn)
     try:
         engine, draft_model = start_engine(spec, outbox)

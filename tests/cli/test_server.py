@@ -427,6 +427,63 @@ def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight(engine):
     assert not alive(engine_pid)  # an engine of its own process went with it
 
 
+HTTP_SIDE = """
+import mlx.core as mx
+from starlette.testclient import TestClient
+from mlxllama.prompt import choose_template
+from mlxllama.runtime import read_model_file
+from mlxllama.sampling import SamplingParams
+from mlxllama.server.app import ServerSettings, create_app
+from mlxllama.server.engine_process import EngineProcess, EngineSpec
+
+if __name__ == "__main__":
+    model = read_model_file(MODEL)
+    engine = EngineProcess(EngineSpec(MODEL, engine={"prompt_cache_bytes": 1 << 20}))
+    app = create_app(model, engine, ServerSettings(choose_template(model.chat_template), SamplingParams(), 16))
+    hi = [{"role": "user", "content": "Hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with TestClient(app) as http:
+        for route, body in [("chat/completions", {"messages": hi, "logprobs": True, "top_logprobs": 2}),
+                            ("chat/completions", {"messages": hi, "response_format": {"type": "json_object"}}),
+                            ("chat/completions", {"messages": hi, "tools": [tool], "tool_choice": "required",
+                                                  "chat_template": "llama3"}),
+                            ("completions", {"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 0}),
+                            ("messages", {"messages": hi, "max_tokens": 8, "stream": True})]:
+            response = http.post(f"/v1/{route}", json=body)
+            assert response.status_code == 200, (route, response.text)
+        assert http.get("/health").json()["active_memory_bytes"] > 0
+    engine.stop()
+    print(mx.get_peak_memory())
+"""
+
+
+def test_the_http_side_of_an_engine_process_never_touches_the_device():
+    """With the engine in a process of its own, the server's process reads the file, renders,
+    tokenizes, checks constraints and tools and streams, and makes no MLX array: it holds no
+    device memory (on a GPU, none beside the engine's)."""
+    script = HTTP_SIDE.replace("MODEL", repr(str(MODEL)))
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0"]  # MLX's peak memory in that process, in bytes
+
+
+LEAVES_EARLY = """
+from mlxllama.server.engine_process import EngineProcess, EngineSpec
+
+if __name__ == "__main__":
+    engine = EngineProcess(EngineSpec(MODEL))
+    print(engine.process.pid, flush=True)
+    raise SystemExit(3)  # as serve's process would on an error after the engine started
+"""
+
+
+def test_a_server_process_that_leaves_without_stopping_its_engine_takes_it_along():
+    result = subprocess.run([sys.executable, "-c", LEAVES_EARLY.replace("MODEL", repr(str(MODEL)))], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert not alive(int(result.stdout))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
