@@ -580,17 +580,15 @@ def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_op
     from .server.engine_process import ENGINE_DRAFT_MODEL, EngineSpec
     from .speculative import Drafting, check_same_vocabulary
 
-    if draft_model and lookup is not None:
-        raise MlxLlamaError("--draft-model and --lookup exclude each other: give one drafter")
     parallel_requested()  # its one-line error for --pipeline and the like outside mlx.launch
-    model = read_model_file(model_path or default_model_path(), context_requested())
     drafting = None
+    if draft_model or lookup is not None:  # Drafting checks the options as load_draft and Runtime.drafting do
+        drafting = Drafting(draft_tokens, lookup=lookup, model=ENGINE_DRAFT_MODEL if draft_model else None)
+    context_length = context_requested()
+    model = read_model_file(model_path or default_model_path(), context_length)
     if draft_model:
         check_same_vocabulary(load_tokenizer(draft_model), model.tokenizer, draft_model)
-        drafting = Drafting(draft_tokens, model=ENGINE_DRAFT_MODEL)
-    elif lookup is not None:
-        drafting = Drafting(draft_tokens, lookup=lookup)
-    spec = EngineSpec(model.path, dequantize_requested(), context_requested(), kv_quantization_requested(),
+    spec = EngineSpec(model.path, dequantize_requested(), context_length, kv_quantization_requested(),
                       draft_model, draft_tokens, engine_options)
     return model, spec, drafting
 
