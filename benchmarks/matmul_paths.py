@@ -1,11 +1,14 @@
 """Which matmul path is fastest for a quantized projection, by number of rows (GPU or CPU).
 
-    python benchmarks/matmul_paths.py [--json OUT]
+    python benchmarks/matmul_paths.py [--dtype float32|float16|bfloat16] [--rows 1,2,8] [--json OUT]
 
 For a TinyLlama ffn_up shape (2048 -> 5632) as Q4_K (4 bits, stored biases) and an ffn_down shape
 (5632 -> 2048) as Q6_K (8 bits, symmetric), times per call: mx.quantized_matmul; mx.dequantize then a
 dense matmul (what NativeLinear does for several rows on a GPU); and a dense matmul with the weight
 already expanded (the --dequantize mode). Milliseconds, median of 5 evaluations of 20 calls each.
+The inputs and the dense weights are in --dtype (default: runtime's, float16 on a GPU, float32 on
+the CPU), as a model loaded with it holds them; the float16 scales are cast to it once here, where
+NativeLinear casts them at each call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import mlx.core as mx
 
 from mlxllama.quants import symmetric_biases
+from mlxllama.runtime import default_dtype
 
 ROWS = (1, 2, 8, 16, 32, 64, 512)
 CALLS = 20
@@ -35,17 +39,20 @@ def per_call_ms(make) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
-    dtype = mx.float16 if mx.default_device() == mx.gpu else mx.float32
+    dtype = getattr(mx, args.dtype) if args.dtype else default_dtype()
     results = []
     for name, (out_dims, in_dims), bits in (("Q4_K ffn_up", (5632, 2048), 4), ("Q6_K ffn_down", (2048, 5632), 8)):
         w, scales, biases = mx.quantize(mx.random.normal((out_dims, in_dims)) * 0.02, group_size=32, bits=bits)
-        scales = scales.astype(mx.float16)
+        scales = scales.astype(mx.float16)  # stored so, and cast to the compute dtype at each call
         biases = symmetric_biases(scales) if bits == 8 else biases.astype(mx.float16)
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
         dense = mx.dequantize(w, scales, biases, group_size=32, bits=bits).astype(dtype)
         mx.eval(w, scales, biases, dense)
-        for rows in ROWS:
+        for rows in map(int, args.rows.split(",")):
             x = mx.random.normal((rows, in_dims)).astype(dtype)
             row = {
                 "layer": name, "rows": rows,
@@ -60,7 +67,8 @@ def main():
                   f"{row['dequantize_then_matmul']:.4f} ms, dense {row['dense_matmul']:.4f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "results": results}, f, indent=1)
+            json.dump({"device": str(mx.default_device()), "dtype": str(dtype).removeprefix("mlx.core."),
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,18 @@
 tokens/s with and without it on one raw prompt.
 
     python benchmarks/speculative_cpu.py MODEL.gguf --prompt-file copy.txt [-n 128] [-r 3]
-        [--lookup 3 | --draft-model DRAFT.gguf] [--draft-tokens 5] [--threads 2] [--json OUT]
+        [--lookup 3 | --draft-model DRAFT.gguf] [--draft-tokens 5] [--threads 2]
+        [--modes native:float32,dequantize:bfloat16] [--json OUT]
 
 mlxllama: `Runtime.stream` without and with `draft=` (the n-gram length, or the loaded draft
-model); llama.cpp: llama-cpp-python's `create_completion` without and with its `draft_model=`:
+model), in each of --modes (weights native or dequantized, and the compute dtype: on the CPU only
+dequantized bfloat16 weights check k+1 positions for less than k+1 steps); llama.cpp:
+llama-cpp-python's `create_completion` without and with its `draft_model=`:
 its own `LlamaPromptLookupDecoding(max_ngram_size=LOOKUP, num_pred_tokens=K)`, or K greedy tokens
 of a second llama.cpp model of the draft file (llama-cpp-python checks the drafts against llama.cpp's
 model; llama.cpp's C++ speculation lives in llama-server, which this machine does not build). Each is timed from its first
 streamed text to its last, so prefill is not in the rate; one untimed run first, then -r. The texts
-are kept, so the four can be checked to be the same. Needs llama-cpp-python (a test-time
+are kept, so each row can be checked to give its plain row's text (and all rows, one text). Needs llama-cpp-python (a test-time
 reference; extra buffer types are switched off, as scripts/llama_cpp_cpu.py says why).
 """
 
@@ -43,10 +46,13 @@ def timed(pieces) -> tuple[float, float, str, int]:
     return first, last, "".join(text), len(text)
 
 
-def mlxllama_runs(path: str, prompt: str, n: int, runs: int, drafter, k: int) -> dict:
-    """drafter: None, an n-gram length (prompt lookup) or a draft model's path."""
-    rt = mlxllama.load(path)
-    draft = mlxllama.load(drafter) if isinstance(drafter, str) else drafter
+def mlxllama_runs(path: str, prompt: str, n: int, runs: int, drafter, k: int, mode: str) -> dict:
+    """drafter: None, an n-gram length (prompt lookup) or a draft model's path; mode: "native:float32"..."""
+    weights, dtype = mode.split(":")
+    rt = mlxllama.load(path, dtype=dtype, dequantize=weights == "dequantize")
+    draft = drafter
+    if isinstance(drafter, str):
+        draft = mlxllama.load(drafter, dtype=dtype, dequantize=weights == "dequantize")
     out = []
     for _ in range(runs + 1):
         stream = rt.stream(prompt, n, draft=draft, draft_tokens=k)
@@ -110,15 +116,18 @@ def main() -> None:
     parser.add_argument("--draft-model", metavar="GGUF", help="a draft model instead of prompt lookup")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", default="native:float32,dequantize:bfloat16",
+                        help="mlxllama's weights (native or dequantize) and dtype, comma-separated")
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args()
     prompt = Path(args.prompt_file).read_text(encoding="utf-8")
     drafter, label = (args.draft_model, "draft model") if args.draft_model else (args.lookup, "lookup")
     k = args.draft_tokens
     rows = {}
-    for name, run in [
-        ("mlxllama", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, None, k)),
-        (f"mlxllama {label}", lambda: mlxllama_runs(args.model, prompt, args.n_gen, args.runs, drafter, k)),
+    mlxllama_rows = [(f"mlxllama {mode}{with_drafter}", lambda mode=mode, d=d: mlxllama_runs(
+                         args.model, prompt, args.n_gen, args.runs, d, k, mode))
+                     for mode in args.modes.split(",") for with_drafter, d in [("", None), (f" {label}", drafter)]]
+    for name, run in mlxllama_rows + [
         ("llama.cpp", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads, None, k)),
         (f"llama.cpp {label}", lambda: llama_cpp_runs(args.model, prompt, args.n_gen, args.runs, args.threads,
                                                       drafter, k)),
@@ -128,12 +137,13 @@ def main() -> None:
         print(f"{name}: {r['median_decode_tokens_per_second']:.2f} t/s (median of {args.runs};"
               f" {r['min']:.2f}-{r['max']:.2f})", flush=True)
     texts = {name: r["runs"][0]["text"] for name, r in rows.items()}
-    print("same text:", len(set(texts.values())) == 1)
+    as_plain = {name: text == texts[name.removesuffix(f" {label}")] for name, text in texts.items() if name.endswith(label)}
+    print("same text:", len(set(texts.values())) == 1, "; each drafted row as its plain row:", as_plain)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"model": args.model, "prompt": prompt, "n_gen": args.n_gen, "drafter": drafter,
-                       "draft_tokens": args.draft_tokens, "threads": args.threads, "rows": rows,
-                       "same_text": len(set(texts.values())) == 1}, f, indent=1)
+                       "draft_tokens": args.draft_tokens, "threads": args.threads, "modes": args.modes, "rows": rows,
+                       "same_text": len(set(texts.values())) == 1, "drafted_as_plain": as_plain}, f, indent=1)
 
 
 if __name__ == "__main__":

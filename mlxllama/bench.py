@@ -59,6 +59,7 @@ class TestResult:
 class BenchReport:
     model: str
     mode: str  # native, native+kernels (decoding goes through mlxllama.cuda's kernels) or dequantize
+    dtype: str  # what the model computes in: float32, float16 or bfloat16
     device: str
     file_bytes: int
     tensor_bytes: int
@@ -216,7 +217,7 @@ def time_loop(runtime: Runtime, n_gen: int, seed: int, constraint: Constraint | 
 
 
 def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ...] = (1,), repetitions: int = 5,
-        dequantize: bool = False, dtype: mx.Dtype | None = None, context_length: int | None = None,
+        dequantize: bool = False, dtype: mx.Dtype | str | None = None, context_length: int | None = None,
         constraint: Constraint | None = None, draft=None, draft_tokens: int = 4,
         draft_prompt: str | None = None, depths: tuple[int, ...] = (0,),
         kv_quantization: KVQuantization | None = None, parallel: str | None = None) -> BenchReport:
@@ -237,6 +238,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     report = BenchReport(
         model=os.path.basename(path), device=device_name(),
         mode="dequantize" if dequantize else ("native+kernels" if runtime.model.decode_step.uses_kernels else "native"),
+        dtype=str(runtime.model.compute_dtype).removeprefix("mlx.core."),
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
         load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,
@@ -325,7 +327,8 @@ def format_table(report: BenchReport) -> str:
     for t in report.tests:
         cost = f"{sum(t.launches.values())} | {statistics.median(t.host_us):.0f}" if t.launches else " | "
         rows.append(
-            f"| {report.model} | {size} | {report.params / 1e9:.2f} B | {report.mode} | {report.device} | {t.name} "
+            f"| {report.model} | {size} | {report.params / 1e9:.2f} B | {report.mode}, {report.dtype} | {report.device} "
+            f"| {t.name} "
             f"| {t.batch} | {t.median:.2f} ± {t.stdev:.2f} | {cost} |"
         )
     mib = 2**20

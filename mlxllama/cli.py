@@ -14,11 +14,11 @@ from typing import Callable, Iterator
 import click
 
 from .cli_options import (check_no_template, constraint_options, context_option, context_requested, default_model_path,
-                          dequantize_option, dequantize_requested, kv_cache_options, kv_quantization_requested,
+                          dequantize_requested, dtype_requested, kv_cache_options, kv_quantization_requested,
                           kv_size_options, load_draft, load_model, load_prompt_cache, model_option, parallel_options,
-                          parallel_requested, parse_template_kwargs, prompt_cache_option, refuse_stdin,
-                          refuse_under_launch, remember, requested_constraint, sampling_options, sampling_params,
-                          speculation_options, template_options)
+                          parallel_requested, parse_template_kwargs, precision_options, prompt_cache_option,
+                          refuse_stdin, refuse_under_launch, remember, requested_constraint, sampling_options,
+                          sampling_params, speculation_options, template_options)
 from .distributed import barrier, launched, lost_peer, share, world
 from .errors import MlxLlamaError, count
 from .files import STDOUT, CheckedStream, WriteError, check_output_dir
@@ -158,7 +158,7 @@ def print_prompt(prompt) -> None:
 
 @main.command()
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 @click.option("--prompt", "-p", "prompt_text", required=True, help="The prompt ('-' reads it from stdin).")
@@ -245,7 +245,7 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
 
 @main.command("cache-prompt")
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 @click.option("--prompt", "-p", "prompt_text", help="The text to cache: the start of later prompts ('-' reads stdin).")
@@ -318,7 +318,7 @@ def inspect_command(model_path, as_json):
 
 @main.command()
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 @click.option("--template", "template_name", metavar="NAME", help="Use a built-in chat template.")
@@ -379,7 +379,7 @@ def batch_progress(jobs: int) -> Iterator[Callable[[], None]]:
 
 @main.command()
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 # Lazy: under mlx.launch only rank 0 opens it (the other machines need not have it).
@@ -474,7 +474,7 @@ def discard() -> Iterator[tuple[set[str], object]]:
 
 @main.command("serve")
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -588,8 +588,8 @@ def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_op
     model = read_model_file(model_path or default_model_path(), context_length)
     if draft_model:
         check_same_vocabulary(load_tokenizer(draft_model), model.tokenizer, draft_model)
-    spec = EngineSpec(model.path, dequantize_requested(), context_length, kv_quantization_requested(),
-                      draft_model, draft_tokens, engine_options)
+    spec = EngineSpec(model.path, dequantize_requested(), dtype_requested(), context_length,
+                      kv_quantization_requested(), draft_model, draft_tokens, engine_options)
     return model, spec, drafting
 
 
@@ -606,7 +606,7 @@ def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_op
 @click.option("--repetitions", "-r", default=5, show_default=True, help="Timed runs of each test, after a warm-up.")
 @click.option("--depth", "-d", "depths", default="0", show_default=True, metavar="LIST",
               help="Comma-separated numbers of positions each sequence's cache holds before pp and tg (llama-bench's -d).")
-@dequantize_option
+@precision_options
 @context_option
 @kv_cache_options
 @constraint_options
@@ -644,8 +644,9 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
             if not in_scratch:
                 barrier()
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,
-                           dequantize=dequantize_requested(), context_length=context_requested(),
-                           constraint=requested_constraint(), draft=draft_model or lookup, draft_tokens=draft_tokens,
+                           dequantize=dequantize_requested(), dtype=dtype_requested(),
+                           context_length=context_requested(), constraint=requested_constraint(),
+                           draft=draft_model or lookup, draft_tokens=draft_tokens,
                            draft_prompt=draft_prompt, depths=depth_list, kv_quantization=kv_quantization_requested(),
                            parallel=parallel_requested())
     click.echo(json.dumps(report.to_dict()) if as_json else bench.format_table(report))
@@ -660,7 +661,7 @@ def integer_list(text: str, option: str) -> tuple[int, ...]:
 
 @main.command("trace")
 @model_option
-@dequantize_option
+@precision_options
 @context_option
 @click.option("--prompt", "-p", "prompt_text", help="The prompt ('-' reads it from stdin).")
 @template_options
@@ -772,7 +773,7 @@ def parse_head(text: str, heads: list[int] | None = None) -> tuple[int, int]:
 
 @main.command("perplexity")
 @model_option
-@dequantize_option
+@precision_options
 @kv_cache_options
 @click.argument("text_path", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--ctx", "-c", "n_ctx", default=512, show_default=True,

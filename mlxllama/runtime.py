@@ -163,10 +163,11 @@ class Runtime:
         return self.stream(prompt, max_tokens, params, stop, special, constraint, **sampling).run()
 
 
-def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: bool = False,
+def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantize: bool = False,
          context_length: int | None = None, kv_quantization: KVQuantization | None = None,
          parallel: str | None = None, requantize: bool = True) -> Runtime:
-    """Load a GGUF model that computes in `dtype` (default: float16 on a GPU, float32 on the CPU).
+    """Load a GGUF model that computes in `dtype` (an mx.Dtype or its name; default: float16 on a
+    GPU, float32 on the CPU).
 
     `context_length` limits prompt plus generation (default: the model's trained context, as
     llama.cpp's n_ctx) and, like llama.cpp's n_ctx, picks Phi-3's short or long LongRoPE factors.
@@ -195,7 +196,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | None = None, dequantize: boo
     architecture = architecture_of(gguf)
     config = architecture.read_config(gguf, context_length)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
-    dtype = dtype or default_dtype()
+    dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype or default_dtype()
     shard = plan_parallel(parallel, config, native=not dequantize)
     # The kernels fuse each projection with the residual add where a split model's all-reduce must
     # go: a split model runs the plain step (docs/distributed.md).

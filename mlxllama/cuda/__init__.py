@@ -35,8 +35,8 @@ def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
         return None
     if not (isinstance(head, NativeLinear) or isinstance(head, BlockLinear) and isinstance(head.product, Q6KProduct)):
         return None
-    # Each lane of the attention kernel holds head_dim / 32 dims; float32 compute is untested on CUDA.
-    if c.head_dim % 32 or model.compute_dtype == mx.float32:
+    # Each lane of the attention kernel holds head_dim / 32 dims; the kernels stage and return float16.
+    if c.head_dim % 32 or model.compute_dtype != mx.float16:
         return None
     device = device_limits()
     return KernelStep(model, fallback, *device) if device else None

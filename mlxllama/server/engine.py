@@ -125,6 +125,7 @@ class Engine:
         model = runtime.model
         self.sharded = model.shard is not None
         self.kv_cache_label = kv_label(model.kv_quantization)
+        self.dtype = str(model.compute_dtype).removeprefix("mlx.core.")
         self.budget = KvBudget(kv_budget if kv_budget is not None else default_kv_budget(),
                                kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization),
                                runtime.config.context_length, decoder.max_kv_size, decoder.draft_room)
@@ -159,7 +160,8 @@ class Engine:
         return {"requests_running": self.running, "requests_waiting": self.waiting_count,
                 "active_memory_bytes": mx.get_active_memory(),
                 "prompt_cache_bytes": self.prompt_cache.nbytes if self.prompt_cache else 0,
-                "kv_cache": self.kv_cache_label, "max_kv_size": self.budget.max_kv_size, "engine_pid": os.getpid()}
+                "kv_cache": self.kv_cache_label, "dtype": self.dtype, "max_kv_size": self.budget.max_kv_size,
+                "engine_pid": os.getpid()}
 
     def submit(self, ticket: Ticket) -> Ticket:
         self.budget.check(ticket.request)

@@ -44,6 +44,7 @@ class EngineSpec:
 
     path: str
     dequantize: bool = False
+    dtype: str | None = None  # a name (--dtype's): runtime.load takes it, and it pickles as an mx.Dtype may not
     context_length: int | None = None
     kv_quantization: KVQuantization | None = None
     draft_path: str | None = None
@@ -268,11 +269,11 @@ def start_engine(spec: EngineSpec, outbox: Outbox):
     from ..runtime import load
     from ..speculative import Drafting
 
-    runtime = load(spec.path, dequantize=spec.dequantize, context_length=spec.context_length,
+    runtime = load(spec.path, dtype=spec.dtype, dequantize=spec.dequantize, context_length=spec.context_length,
                    kv_quantization=spec.kv_quantization)
     draft_model = None
     if spec.draft_path:
-        draft = load(spec.draft_path, dequantize=spec.dequantize, context_length=spec.context_length)
+        draft = load(spec.draft_path, dtype=spec.dtype, dequantize=spec.dequantize, context_length=spec.context_length)
         draft_model = Drafting.with_model(draft, runtime.tokenizer, spec.draft_tokens).model
     engine = Engine(runtime, max_queue=sys.maxsize, handed_on=outbox.send_events, **spec.engine)
     return engine, draft_model

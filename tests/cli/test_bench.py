@@ -59,7 +59,14 @@ def test_bench_reports_what_a_decode_step_costs():
 def test_bench_dequantize_holds_float_weights():
     report = run_bench("--dequantize", "-n", "0")
     assert report["mode"] == "dequantize" and [t["name"] for t in report["tests"]] == ["pp16"]
-    assert report["weight_ratio"] > 4  # float32 on the CPU
+    assert report["dtype"] == "float32" and report["weight_ratio"] > 4  # float32 on the CPU
+
+
+def test_bench_dtype_bfloat16_holds_half_the_float32_weights():
+    half = run_bench("--dequantize", "--dtype", "bfloat16", "-n", "0")
+    full = run_bench("--dequantize", "--dtype", "float32", "-n", "0")
+    assert (half["dtype"], full["dtype"]) == ("bfloat16", "float32")
+    assert abs(half["weight_bytes"] - full["weight_bytes"] / 2) < 0.001 * full["weight_bytes"]
 
 
 def test_bench_rejects_bad_batch_list():

@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -38,6 +39,18 @@ def test_template_prompts_give_the_listed_answers_and_stop_at_eos():
         assert out["text"] == answer
         assert out["finish_reason"] == "stop" and out["token_ids"][-1] == 2
         assert out["template"] == "gguf (zephyr)"
+
+
+def test_dtype_bfloat16_gives_the_same_answers_and_float16_is_refused_on_the_cpu():
+    for weights in ([], ["--dequantize"]):
+        out = generate_json("-p", "What is the capital of Japan?", "--dtype", "bfloat16", *weights)
+        assert out["token_ids"] == [1576, 7483, 310, 5546, 338, 20377, 29889, 2], weights
+    float16 = run("generate", "-p", "Hi", "--dtype", "float16")
+    if mx.default_device() == mx.gpu:  # its default there
+        assert float16.exit_code == 0, float16.output
+        return
+    assert float16.exit_code == 2 and float16.stderr.count("\n") == 1
+    assert "--dtype float16 on the CPU" in float16.stderr and "use float32 or bfloat16" in float16.stderr
 
 
 def test_json_output_has_prompt_ids_and_rendered_prompt():

@@ -411,6 +411,17 @@ def test_an_unforeseen_failure_is_a_500_for_that_request_alone(runtime):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_dtype_reaches_the_engine_wherever_it_runs(engine):
+    server = Server("--dtype", "bfloat16", "--dequantize", "--engine", engine)
+    try:
+        assert httpx.get(f"{server.url}/health").json()["dtype"] == "bfloat16"
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": JAPAN}).json()
+        assert reply["choices"][0]["message"]["content"] == "The capital of Japan is Tokyo."
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_sigterm_ends_the_server_cleanly_with_a_stream_in_flight(engine):
     import signal
 

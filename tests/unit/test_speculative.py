@@ -305,6 +305,16 @@ def test_every_architecture_decodes_the_same_with_prompt_lookup(model):
     assert_same_greedy(rt, ids, rt.generate(ids, 200, draft=3, draft_tokens=5).token_ids, rt.generate(ids, 200).token_ids)
 
 
+@pytest.mark.parametrize("model", ["qwen2-tiny-Q8_0.gguf", "gemma3-tiny-Q8_0.gguf"])
+def test_prompt_lookup_in_bfloat16_decodes_as_plain_bfloat16_does(model):
+    # The CPU's mode where lookup pays (--dequantize --dtype bfloat16): its product of k+1 rows
+    # must give each row what a step of one row gives.
+    rt = mlxllama.load(REPO_FIXTURES / model, dtype=mx.bfloat16, dequantize=True)
+    ids = rt.tokenize("Once upon a time " * 30)
+    got, want = rt.generate(ids, 120, draft=3, draft_tokens=5), rt.generate(ids, 120)
+    assert got.token_ids == want.token_ids and got.accepted > 30
+
+
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                 "country": {"type": "string", "maxLength": 20}},
                "required": ["city", "country"], "additionalProperties": False}
