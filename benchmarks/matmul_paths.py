@@ -47,7 +47,7 @@ def main():
     results = []
     for name, (out_dims, in_dims), bits in (("Q4_K ffn_up", (5632, 2048), 4), ("Q6_K ffn_down", (2048, 5632), 8)):
         w, scales, biases = mx.quantize(mx.random.normal((out_dims, in_dims)) * 0.02, group_size=32, bits=bits)
-        scales = scales.astype(mx.float16)  # stored so, and cast to the compute dtype at each call
+        scales = scales.astype(mx.float16)
         biases = symmetric_biases(scales) if bits == 8 else biases.astype(mx.float16)
         scales, biases = scales.astype(dtype), biases.astype(dtype)
         dense = mx.dequantize(w, scales, biases, group_size=32, bits=bits).astype(dtype)

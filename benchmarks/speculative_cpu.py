@@ -13,8 +13,9 @@ its own `LlamaPromptLookupDecoding(max_ngram_size=LOOKUP, num_pred_tokens=K)`, o
 of a second llama.cpp model of the draft file (llama-cpp-python checks the drafts against llama.cpp's
 model; llama.cpp's C++ speculation lives in llama-server, which this machine does not build). Each is timed from its first
 streamed text to its last, so prefill is not in the rate; one untimed run first, then -r. The texts
-are kept, so each row can be checked to give its plain row's text (and all rows, one text). Needs llama-cpp-python (a test-time
-reference; extra buffer types are switched off, as scripts/llama_cpp_cpu.py says why).
+are kept, so each row can be checked to give its plain row's text (and all rows, one text). Needs
+llama-cpp-python (a test-time reference; extra buffer types are switched off, as
+scripts/llama_cpp_cpu.py says why).
 """
 
 from __future__ import annotations
@@ -137,12 +138,14 @@ def main() -> None:
         print(f"{name}: {r['median_decode_tokens_per_second']:.2f} t/s (median of {args.runs};"
               f" {r['min']:.2f}-{r['max']:.2f})", flush=True)
     texts = {name: r["runs"][0]["text"] for name, r in rows.items()}
-    as_plain = {name: text == texts[name.removesuffix(f" {label}")] for name, text in texts.items() if name.endswith(label)}
+    as_plain = {name: text == texts[name.removesuffix(f" {label}")]
+                for name, text in texts.items() if name.endswith(label)}
     print("same text:", len(set(texts.values())) == 1, "; each drafted row as its plain row:", as_plain)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"model": args.model, "prompt": prompt, "n_gen": args.n_gen, "drafter": drafter,
-                       "draft_tokens": args.draft_tokens, "threads": args.threads, "modes": args.modes, "rows": rows,
+                       "draft_tokens": args.draft_tokens, "threads": args.threads, "modes": args.modes,
+                       "rows": rows,
                        "same_text": len(set(texts.values())) == 1, "drafted_as_plain": as_plain}, f, indent=1)
 
 

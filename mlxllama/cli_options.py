@@ -124,8 +124,8 @@ def dequantize_requested() -> bool:
 
 
 def dtype_requested() -> str | None:
-    """--dtype's name ("bfloat16"...), or None for runtime.load's default; a name, not an mx.Dtype,
-    so that it also travels to serve's engine process."""
+    """--dtype's name ("bfloat16"...), or None for runtime.load's default; a name, not an mx.Dtype
+    (which does not pickle), so that it also travels to serve's engine process."""
     import mlx.core as mx
 
     name = click.get_current_context().meta.get("mlxllama.dtype")

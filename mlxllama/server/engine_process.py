@@ -44,7 +44,7 @@ class EngineSpec:
 
     path: str
     dequantize: bool = False
-    dtype: str | None = None  # a name (--dtype's): runtime.load takes it, and it pickles as an mx.Dtype may not
+    dtype: str | None = None  # --dtype's name, which runtime.load takes: an mx.Dtype does not pickle
     context_length: int | None = None
     kv_quantization: KVQuantization | None = None
     draft_path: str | None = None
