@@ -238,7 +238,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
     report = BenchReport(
         model=os.path.basename(path), device=device_name(),
         mode="dequantize" if dequantize else ("native+kernels" if runtime.model.decode_step.uses_kernels else "native"),
-        dtype=str(runtime.model.compute_dtype).removeprefix("mlx.core."),
+        dtype=runtime.model.compute_dtype_name,
         file_bytes=os.path.getsize(path), tensor_bytes=tensor_bytes, params=params,
         load_seconds=runtime.load_seconds, weight_bytes=mx.get_active_memory() - held_before,
         load_peak_bytes=mx.get_peak_memory() - held_before, run_peak_bytes=0,

@@ -70,7 +70,7 @@ def settings_of(runtime, template: Template) -> dict[str, str]:
         "template_sha256": hashlib.sha256(text.encode()).hexdigest() if template.text is not None else "none",
         "context_length": str(runtime.config.context_length),  # Phi-3's RoPE factors depend on it
         "weights": "dequantized" if runtime.dequantized else "native",
-        "dtype": str(runtime.model.compute_dtype).removeprefix("mlx.core."),
+        "dtype": runtime.model.compute_dtype_name,
         "kv_cache": kv_label(runtime.model.kv_quantization),
     }
 

@@ -297,6 +297,11 @@ class Transformer(nn.Module):
         self.decode_step: DecodeStep = PlainStep(self)
 
     @property
+    def compute_dtype_name(self) -> str:
+        """compute_dtype as --dtype spells it ("bfloat16"), for reports and saved prompt caches."""
+        return str(self.compute_dtype).removeprefix("mlx.core.")
+
+    @property
     def sampling_group(self):
         """The ranks this model is split over (all of them sample rank 0's tokens), or None."""
         return self.shard.group if self.shard else None

@@ -125,7 +125,7 @@ class Engine:
         model = runtime.model
         self.sharded = model.shard is not None
         self.kv_cache_label = kv_label(model.kv_quantization)
-        self.dtype = str(model.compute_dtype).removeprefix("mlx.core.")
+        self.dtype = model.compute_dtype_name
         self.budget = KvBudget(kv_budget if kv_budget is not None else default_kv_budget(),
                                kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization),
                                runtime.config.context_length, decoder.max_kv_size, decoder.draft_room)
