@@ -192,10 +192,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     ranks feed (distributed.py). None, or a single process, loads the whole model.
     """
     start = time.perf_counter()
-    gguf = open_gguf(path)
-    architecture = architecture_of(gguf)
-    config = architecture.read_config(gguf, context_length)
-    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    gguf, architecture, config, tokenizer = read_header(path, context_length)
     dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype or default_dtype()
     shard = plan_parallel(parallel, config, native=not dequantize)
     # The kernels fuse each projection with the residual add where a split model's all-reduce must
@@ -249,11 +246,18 @@ class ModelFile:
         return self.metadata.get("tokenizer.chat_template")
 
 
-def read_model_file(path: str | os.PathLike, context_length: int | None = None) -> ModelFile:
-    """What load checks and reads before the weights (every tensor's shape included), and no weights."""
+def read_header(path: str | os.PathLike, context_length: int | None = None):
+    """(the open file, its architecture, its configuration for `context_length`, its tokenizer):
+    what load checks and reads before the weights (every tensor's shape included)."""
     gguf = open_gguf(path)
-    config = architecture_of(gguf).read_config(gguf, context_length)
-    return ModelFile(gguf.path, config, Tokenizer.from_metadata(gguf.metadata), gguf.metadata)
+    architecture = architecture_of(gguf)
+    return gguf, architecture, architecture.read_config(gguf, context_length), Tokenizer.from_metadata(gguf.metadata)
+
+
+def read_model_file(path: str | os.PathLike, context_length: int | None = None) -> ModelFile:
+    """What load checks and reads before the weights, and no weights."""
+    gguf, _, config, tokenizer = read_header(path, context_length)
+    return ModelFile(gguf.path, config, tokenizer, gguf.metadata)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
