@@ -82,7 +82,7 @@ class EngineProcess:
         if message[0] == "failed":
             self.process.join()
             raise MlxLlamaError(message[1])
-        _, self.budget, self.context, self.kv_cache_label = message
+        _, self.budget, self.context = message
         self.max_queue = max_queue
         self.on_lost: Callable[[str], None] = lambda message: None
         self.tickets: dict[int, Ticket] = {}
@@ -231,7 +231,7 @@ def run(conn, spec: EngineSpec) -> None:
         conn.send(("failed", f"the engine's process failed to start: {type(e).__name__}: {e}"))
         return
     outbox.engine = engine
-    conn.send(("ready", engine.budget, engine.context, engine.kv_cache_label))
+    conn.send(("ready", engine.budget, engine.context))
     tickets: dict[int, Ticket] = {}
     while True:
         try:
