@@ -30,6 +30,13 @@ from .weights import load_model
 CUDA_KERNELS_ENV = "MLXLLAMA_CUDA_KERNELS"
 
 
+def compute_dtype(name: str) -> mx.Dtype:
+    """The compute type a name (--dtype's) stands for."""
+    if name not in ("float32", "float16", "bfloat16"):
+        raise MlxLlamaError(f"dtype {name!r}: expected float32, float16 or bfloat16")
+    return getattr(mx, name)
+
+
 def default_dtype() -> mx.Dtype:
     # MLX's CPU backend runs float16 matmuls slower than float32 (it converts), so the CPU gets float32.
     return mx.float16 if mx.default_device() == mx.gpu else mx.float32
@@ -193,7 +200,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     """
     start = time.perf_counter()
     gguf, architecture, config, tokenizer = read_header(path, context_length)
-    dtype = getattr(mx, dtype) if isinstance(dtype, str) else dtype or default_dtype()
+    dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype or default_dtype()
     shard = plan_parallel(parallel, config, native=not dequantize)
     # The kernels fuse each projection with the residual add where a split model's all-reduce must
     # go: a split model runs the plain step (docs/distributed.md).

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlxllama.cli import main
-from conftest import find_fixture_model
+from conftest import PACKAGE_DATA, find_fixture_model
 
 JAPAN_IDS = [1, 529, 29989, 1792, 29989, 29958, 13, 5618, 338, 278, 7483, 310, 5546, 29973, 2, 29871, 13, 29966,
              29989, 465, 22137, 29989, 29958, 13]
@@ -51,6 +51,16 @@ def test_dtype_bfloat16_gives_the_same_answers_and_float16_is_refused_on_the_cpu
         return
     assert float16.exit_code == 2 and float16.stderr.count("\n") == 1
     assert "--dtype float16 on the CPU" in float16.stderr and "use float32 or bfloat16" in float16.stderr
+
+
+def test_load_takes_a_dtype_by_name_and_names_a_wrong_one():
+    import mlxllama
+    from mlxllama.errors import MlxLlamaError
+
+    assert mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf", dtype="bfloat16").model.compute_dtype == mx.bfloat16
+    for wrong in ("int8", "array"):  # an MLX type, and an MLX attribute that is no type
+        with pytest.raises(MlxLlamaError, match=f"dtype '{wrong}': expected float32, float16 or bfloat16"):
+            mlxllama.load(PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf", dtype=wrong)
 
 
 def test_json_output_has_prompt_ids_and_rendered_prompt():
