@@ -8,7 +8,9 @@
 # the parity tests on the repository's fixtures on Metal (logits against llama.cpp's), then the
 # plain step against mlx-lm's loop on a TinyLlama-1.1B-shape Q4_K_M file with a 16k context
 # (benchmarks/versus_mlx_lm.py: tg128 at depth 0, 4096 and 8192, one and 8 sequences, pp512, five
-# interleaved rounds), with each engine's launches a step and weights held.
+# interleaved rounds), with each engine's launches a step and weights held; then the K-types' products
+# in MLX's affine form against the sub-block form the CPU holds them in (benchmarks/sub_block_products.py),
+# which says whether Metal should hold them so too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-mac-report}
@@ -27,9 +29,17 @@ model=$out/tinyllama-1.1b-16k-Q4_K_M.gguf
 parity=$("$python" -m pytest -q -p no:cacheprovider tests/parity 2>&1 | tail -1)
 versus=$("$python" benchmarks/versus_mlx_lm.py "$model" --batches 1,8 --depths 0,4096,8192 --rounds 5 \
     --json "$out/versus-mlx-lm.json" 2> "$out/versus.log")
+products=$("$python" benchmarks/sub_block_products.py --shapes 5632x2048,2048x5632,32000x2048 --rows 1,8 \
+    --json "$out/sub-block-products.json" 2> "$out/products.log")
 cat <<EOF
 ### mlxllama on $(sysctl -n machdep.cpu.brand_string), macOS $(sw_vers -productVersion), commit $(git rev-parse --short HEAD)
 
 - Parity tests on the fixtures (Metal): $parity
 $versus
+
+K-type products on Metal, affine form against sub-block form (ms a call, bits a weight held, error):
+
+\`\`\`
+$products
+\`\`\`
 EOF

@@ -1,8 +1,10 @@
 """Q6_K held at 6 bits: what it would save and what it would cost against llama.cpp.
 
-Native mode holds Q6_K at 8.5 bits a weight (quants._affine_q6_k: 8 bits in MLX's groups of 32,
-biases derived), 1.3x the file's 6.56, which is what keeps a Q4_K_M file whose token table is tied
-to the output (Qwen3-0.6B's) over 1.15x the file's bytes. MLX 0.32 has 6-bit groups of 32: this
+Native mode on a GPU holds Q6_K in MLX's affine form at 8.5 bits a weight (quants._affine_q6_k: 8
+bits in MLX's groups of 32, biases derived), 1.3x the file's 6.56, which is what keeps a Q4_K_M file
+whose token table is tied to the output (Qwen3-0.6B's) over 1.15x the file's bytes there (the CPU
+holds Q6_K exactly instead, in the sub-block form; this script loads the affine form on every
+device, as a GPU holds it). MLX 0.32 has 6-bit groups of 32: this
 script re-quantizes Q6_K to them (each group's larger sub-block sets the step, so its values stay
 exact; the other sub-block is rounded to that step) and holds native mode to the parity tests' bars
 on the fixtures that have llama.cpp references: mean KL, and llama.cpp's argmax wherever its top
@@ -29,8 +31,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import mlxllama  # noqa: E402
+import mlxllama.runtime  # noqa: E402
 from mlxllama import quants  # noqa: E402
 from mlxllama.quants import FORMATS, QT, BlockFormat  # noqa: E402
+from mlxllama.weights import load_model  # noqa: E402
 
 REFERENCES = ROOT / "tests" / "reference" / "llama_cpp"
 MODEL_DIRS = (ROOT / "tests" / "fixtures", ROOT / "mlxllama" / "data", ROOT.parent / "shared" / "fixtures" / "models")
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=DEFAULT)
     args = parser.parse_args()
     held = FORMATS[QT.Q6_K]
+    mlxllama.runtime.load_model = lambda *a, **options: load_model(*a, **{**options, "sub_blocks": False})
     forms = {8: held, 6: BlockFormat(held.layout, held.decode, 6, six_bit_q6_k, requantized=True)}
     for model in args.models:
         name = Path(model).stem

@@ -2,9 +2,10 @@
 
 Each quantized matrix is re-expressed in MLX's affine format (quants.to_affine) and the nn.Linear
 that uses it becomes a NativeLinear with that tensor's bits, so one model mixes types the way the
-file does (a Q4_K_M file holds Q4_K and Q6_K). The token embedding is only ever looked up, so
-unless it doubles as the output layer it keeps the file's own blocks (tensors.Blocks) and decodes
-the rows it needs, bit-exactly. weights.py swaps these in; the model classes stay plain.
+file does (a Q4_K_M file holds Q4_K and Q6_K). On the CPU a matrix of a K-type other than Q5_K
+becomes a SubBlockLinear instead (quants.to_sub_blocks: the file's values, in about its bits).
+The token embedding is only ever looked up, so unless it doubles as the output layer it keeps the
+file's own blocks (tensors.Blocks) and decodes the rows it needs, bit-exactly. weights.py swaps these in; the model classes stay plain.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .quants import AFFINE_GROUP_SIZE, AffineWeight, decode_blocks, symmetric_biases
+from .quants import AFFINE_GROUP_SIZE, AffineWeight, SubBlockWeight, decode_blocks, symmetric_biases
 from .tensors import Blocks
 
 # On a GPU, from this many rows on (prefill) a call expands its weight to float16 and uses the dense
@@ -175,6 +176,110 @@ class TiedEmbedding(NativeLinear):
         return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
 
 
+# The partial sums a sub-block product holds at once (sub-blocks x rows x outputs, float32): a
+# prompt's rows go through in parts of this size, one after another. With parts of 64 MB the
+# Qwen3-0.6B shape's prefill peaked 64 MB higher and ran 15% slower than with 4, 8 or 16.
+SUB_BLOCK_SUMS_BYTES = 16 << 20
+
+
+class SubBlockLinear(nn.Module):
+    """A projection whose weight is in the sub-block form (quants.SubBlockWeight): the file's
+    values, held in about the file's bits (Q4_K 4.625 a value, Q6_K 6.5625), where the affine form
+    holds Q4_K at 5 bits with float16 products of its scales, and re-quantizes Q6_K to 8.5 bits.
+
+    A product is MLX's batched quantized matmul over the sub-blocks (each input's sub-block of
+    values times that sub-block's [sub-block, rows] codes), then the sums weighted by each
+    sub-block's d x scale and added, less each input's sub-block sums times its dmin x min. On the
+    CPU that is 1.0-3.2x as fast as the affine form's product of the same matrix (docs/benchmarks.md,
+    "The sub-block form (CPU)"): MLX's non-transposed CPU product reads its weight along the output
+    rows. Its partial sums are a sub-block count times larger than the output, so many input rows
+    go through in parts (SUB_BLOCK_SUMS_BYTES).
+    """
+
+    def __init__(self, weight: SubBlockWeight, output_bias: bool):
+        super().__init__()
+        self.codes, self.sub_scales, self.d = weight.codes, weight.sub_scales, weight.d
+        if weight.sub_mins is not None:
+            self.sub_mins, self.dmin = weight.sub_mins, weight.dmin
+        self.rows, self.bits, self.offset, self.qtype = weight.rows, weight.bits, weight.offset, weight.qtype
+        if output_bias:
+            self.bias = mx.zeros((weight.rows,))
+
+    @property
+    def padded(self) -> bool:
+        return self.rows != self.sub_scales.shape[1]
+
+    @classmethod
+    def stack(cls, layers: list[SubBlockLinear]) -> SubBlockLinear | None:
+        """One layer whose output rows are the layers' outputs, in order; None unless they are of one
+        type, unpadded."""
+        first = layers[0]
+        if any(layer.qtype != first.qtype or layer.padded for layer in layers):
+            return None
+        parts = [mx.concatenate([layer[n] for layer in layers], axis=1) if n in first else None
+                 for n in ("codes", "sub_scales", "d", "sub_mins", "dmin")]
+        return cls(SubBlockWeight(*parts, sum(layer.rows for layer in layers), first.bits, first.offset, first.qtype),
+                   output_bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = x.shape[-1]
+        rows = x.reshape(-1, k)
+        per_part = max(1, SUB_BLOCK_SUMS_BYTES // (4 * self["sub_scales"].size))
+        parts = []
+        for start in range(0, rows.shape[0], per_part):
+            part = rows[start : start + per_part]
+            # After the part before it: MLX would otherwise hold every part's partial sums at once.
+            parts.append(self._product(mx.depends(part, parts[-1]) if parts else part))
+        y = _joined(parts, 0)
+        y = (y[:, : self.rows] if self.padded else y).reshape(*x.shape[:-1], -1)
+        return y + self["bias"] if "bias" in self else y
+
+    def _product(self, x: mx.array) -> mx.array:
+        n, k = x.shape
+        subs, outputs = self["sub_scales"].shape
+        size = k // subs
+        grid = (subs, size, outputs // AFFINE_GROUP_SIZE)  # one scale and bias for every code: q = code - offset
+        sums = mx.quantized_matmul(x.T.reshape(subs, size, n).swapaxes(1, 2), self["codes"].reshape(subs, size, -1),
+                                   mx.broadcast_to(mx.array(1, x.dtype), grid),
+                                   mx.broadcast_to(mx.array(-self.offset, x.dtype), grid),
+                                   transpose=False, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+        y = (sums * self._per_block("sub_scales", "d", x.dtype)[:, None]).sum(axis=0)
+        if "sub_mins" in self:
+            y = y - x.reshape(n, subs, size).sum(axis=-1) @ self._per_block("sub_mins", "dmin", x.dtype)
+        return y
+
+    def _per_block(self, integers: str, factor: str, dtype: mx.Dtype,
+                   columns: mx.array | slice = slice(None)) -> mx.array:
+        """Each sub-block's scale (or min) times its block's d (or dmin): [subs, len(columns)], exact
+        in float32 (an int8 times a float16)."""
+        values, factors = self[integers][:, columns], self[factor][:, columns]
+        return (values.reshape(factors.shape[0], -1, values.shape[-1]).astype(dtype) * factors[:, None].astype(dtype)
+                ).reshape(values.shape)
+
+
+class TiedSubBlockEmbedding(SubBlockLinear):
+    """A token table in the sub-block form that is also the output layer (the model's head calls
+    as_linear): a lookup unpacks each input position's code of the rows it gathers."""
+
+    as_linear = SubBlockLinear.__call__
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        flat = ids.reshape(-1).astype(mx.uint32)
+        codes = mx.view(self["codes"], mx.uint8)  # [cols, rows * bits / 8]: row t's code starts at bit t * bits
+        first_bit = flat * self.bits
+        byte = first_bit // 8
+        # A code spans at most two bytes; the last row's may end in the last byte.
+        after = mx.minimum(byte + 1, codes.shape[1] - 1)
+        pair = codes[:, byte].astype(mx.uint16) | (codes[:, after].astype(mx.uint16) << 8)
+        q = ((pair >> (first_bit % 8).astype(mx.uint16)) & ((1 << self.bits) - 1)).astype(mx.float32) - self.offset
+        # float32 like BlockEmbedding's rows: the residual stream starts in float32.
+        scales = self._per_block("sub_scales", "d", mx.float32, flat)
+        values = q.reshape(scales.shape[0], -1, flat.size) * scales[:, None]
+        if "sub_mins" in self:
+            values = values - self._per_block("sub_mins", "dmin", mx.float32, flat)[:, None]
+        return values.reshape(codes.shape[0], -1).T.reshape(*ids.shape, -1)
+
+
 class NativeExperts(nn.Module):
     """A mixture's experts (models.transformer.Experts) whose stacked weights stay in MLX's affine
     format, [experts, out, in * bits / 32]: each row is multiplied by its chosen experts' quantized
@@ -192,13 +297,17 @@ class NativeExperts(nn.Module):
                              group_size=AFFINE_GROUP_SIZE, bits=self.bits, sorted_indices=sorted_indices)
 
 
-def quantized_layer(module: nn.Module, weight: AffineWeight | Blocks, product: BlockProduct | None = None) -> nn.Module:
+def quantized_layer(module: nn.Module, weight: AffineWeight | SubBlockWeight | Blocks,
+                    product: BlockProduct | None = None) -> nn.Module:
     """The layer that takes `weight` in place of `module` (an nn.Linear, nn.Embedding or the
     experts of a mixture); a matrix kept in blocks for its product needs the backend's `product`."""
     if isinstance(weight, Blocks) and product is not None:
         return TiedBlockEmbedding(weight, product) if isinstance(module, nn.Embedding) else BlockLinear(weight, product)
     if isinstance(weight, Blocks):
         return BlockEmbedding(weight)
+    if isinstance(weight, SubBlockWeight):
+        return TiedSubBlockEmbedding(weight, output_bias=False) if isinstance(module, nn.Embedding) else (
+            SubBlockLinear(weight, "bias" in module))
     if weight.weight.ndim == 3:
         return NativeExperts(weight)
     if isinstance(module, nn.Embedding):

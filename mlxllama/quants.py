@@ -429,11 +429,7 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
         raise ValueError(f"GGML type {name} has no affine form")
     qtype = GGMLQuantizationType(qtype)
     rows, cols = (int(s) for s in shape)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    raw = np.asarray(data).reshape(-1).view(np.uint8)
-    if cols % block_size or raw.nbytes != rows * cols // block_size * type_size:
-        raise ValueError(f"{raw.nbytes} bytes of {qtype.name} data do not match shape {shape}")
-    raw = raw.reshape(rows, -1)
+    raw, type_size = _block_rows(data, qtype, rows, cols)
     form = FORMATS[qtype]
     bits = form.bits
     groups = cols // AFFINE_GROUP_SIZE
@@ -459,6 +455,109 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
         # without this the host runs ahead and many slices' raw blocks are held at once (a load
         # peak of up to 1.47x the weights was measured); synchronize waits for those frees.
         mx.synchronize()
+    return out
+
+
+def _block_rows(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> tuple[np.ndarray, int]:
+    """A matrix's raw data as uint8 rows of blocks, checked against its shape, and the block's size."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.asarray(data).reshape(-1).view(np.uint8)
+    if cols % block_size or raw.nbytes != rows * cols // block_size * type_size:
+        raise ValueError(f"{raw.nbytes} bytes of {qtype.name} data do not match shape {(rows, cols)}")
+    return raw.reshape(rows, -1), type_size
+
+
+# --- The sub-block form: K-types exactly, as the CPU multiplies them ------------------------------
+
+class SubBlockWeight(NamedTuple):
+    """A matrix [rows, cols] of a K-type, whose 256-value blocks hold sub-blocks of 16 or 32
+    integer codes, each sub-block with an integer scale (and, for Q4_K and Q2_K, an integer min)
+    and each block with a float16 d (and dmin): value = d x scale x (code - offset) - dmin x min.
+    Kept as those parts, it holds the file's values exactly.
+
+    The codes are stored transposed, [cols, padded * bits / 32], packed along each of those rows as
+    MLX packs a quantized row: then each sub-block's input positions are a [sub-block, rows]
+    matrix that MLX's non-transposed quantized matmul takes with scale 1 and bias -offset, which no
+    affine group of 32 values along the original rows can do where the scale changes every 16.
+    That product takes a multiple of 32 outputs, so the rows are padded to one (`padded`) with
+    rows of zeros (codes, scales and mins 0).
+    """
+
+    codes: mx.array  # uint32 [cols, padded * bits / 32]
+    sub_scales: mx.array  # int8 [cols / sub-block, padded]
+    d: mx.array  # float16 [cols / 256, padded]
+    sub_mins: mx.array | None  # int8 [cols / sub-block, padded], or None for a type without mins
+    dmin: mx.array | None  # float16 [cols / 256, padded], or None
+    rows: int  # of the matrix, without the padding
+    bits: int
+    offset: int
+    qtype: GGMLQuantizationType
+
+
+class _SubBlockForm(NamedTuple):
+    bits: int  # a code's width as held: MLX's CPU unpacks 3- and 5-bit fields 5 times slower than 4
+    offset: int  # code = q + offset for q as `parts` gives it
+    # d (n, 1), scales (n, subs), q (n, subs, sub-block), dmin (n, 1) and mins (n, subs) or None, float32
+    parts: Callable[[Fields], tuple[mx.array, ...]]
+
+
+def _q4_k_parts(f: Fields) -> tuple[mx.array, ...]:
+    scales, mins = _k_scales_mins(f["scales"])
+    return _f16(f["d"]), scales, _f32(_k_low_nibbles(f["qs"])), _f16(f["dmin"]), mins
+
+
+def _q2_k_parts(f: Fields) -> tuple[mx.array, ...]:
+    scales = f["scales"]
+    return _f16(f["d"]), _f32(scales & 0xF), _f32(_crumbs(f["qs"])), _f16(f["dmin"]), _f32(scales >> 4)
+
+
+SUB_BLOCK_FORMS: dict[GGMLQuantizationType, _SubBlockForm] = {
+    QT.Q6_K: _SubBlockForm(6, 32, lambda f: (*_q6_k_parts(f), None, None)),
+    QT.Q3_K: _SubBlockForm(4, 4, lambda f: (*_q3_k_parts(f), None, None)),
+    QT.Q4_K: _SubBlockForm(4, 0, _q4_k_parts),
+    QT.Q2_K: _SubBlockForm(2, 0, _q2_k_parts),
+}
+# Rows are padded to a multiple of this (MLX's quantized products take groups of 32 outputs), and
+# converted a multiple of it at a time, so that each slice of packed codes is whole words.
+_SUB_BLOCK_ROW_STEP = 32
+
+
+def sub_block_form_fits(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of `qtype` and row-major `shape` has a sub-block form (SubBlockWeight)."""
+    return qtype in SUB_BLOCK_FORMS and len(shape) == 2
+
+
+def to_sub_blocks(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> SubBlockWeight:
+    """One 2-D tensor's raw data in the sub-block form (a type of SUB_BLOCK_FORMS), evaluated."""
+    qtype = GGMLQuantizationType(qtype)
+    rows, cols = (int(s) for s in shape)
+    if not sub_block_form_fits(qtype, (rows, cols)):
+        raise ValueError(f"a {qtype.name} tensor of shape {shape} has no sub-block form")
+    raw, type_size = _block_rows(data, qtype, rows, cols)
+    form, (bits, offset, parts) = FORMATS[qtype], SUB_BLOCK_FORMS[qtype]
+    _, scales, _, dmin, _ = parts(form.fields(mx.array(raw[:1, :type_size])))  # the type's shapes
+    subs = cols // 256 * scales.shape[1]
+    padded = -(-rows // _SUB_BLOCK_ROW_STEP) * _SUB_BLOCK_ROW_STEP
+
+    def zeros(per_row: int, dtype: mx.Dtype, present: bool = True) -> mx.array | None:
+        return mx.zeros((per_row, padded), dtype) if present else None
+
+    out = SubBlockWeight(mx.zeros((cols, padded * bits // 32), mx.uint32), zeros(subs, mx.int8),
+                         zeros(cols // 256, mx.float16), zeros(subs, mx.int8, dmin is not None),
+                         zeros(cols // 256, mx.float16, dmin is not None), rows, bits, offset, qtype)
+    step = max(1, _CHUNK_VALUES // cols // _SUB_BLOCK_ROW_STEP) * _SUB_BLOCK_ROW_STEP
+    for start in range(0, rows, step):
+        chunk = raw[start : start + step]
+        n = chunk.shape[0]
+        d, scales, q, dmin, mins = parts(form.fields(mx.array(chunk).reshape(-1, type_size)))
+        # The last slice's codes padded to whole words with zeros; its other parts are left at zero.
+        codes = mx.pad((q + offset).astype(mx.uint8).reshape(n, cols), ((0, -n % _SUB_BLOCK_ROW_STEP), (0, 0))).T
+        # Each slice is written in place, so the tensor is never held twice.
+        out.codes[:, start * bits // 32 : (start + codes.shape[1]) * bits // 32] = _pack(mx.contiguous(codes), bits)
+        for part, value in ((out.sub_scales, scales), (out.d, d), (out.sub_mins, mins), (out.dmin, dmin)):
+            if part is not None:
+                part[:, start : start + n] = value.reshape(n, -1).T.astype(part.dtype)
+        mx.eval([a for a in out[:5] if a is not None])
     return out
 
 

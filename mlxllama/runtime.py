@@ -180,10 +180,12 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     llama.cpp's n_ctx) and, like llama.cpp's n_ctx, picks Phi-3's short or long LongRoPE factors.
 
     Quantized matrices stay quantized (native mode, weights.py); `dequantize` expands every weight
-    to `dtype` instead, the simple mode to compare against. Native mode holds Q2_K and Q6_K
-    matrices re-quantized to 8 bits a value (quants.py: their 16-value sub-blocks have no exact
-    affine form), except a Q6_K output layer under mlxllama.cuda, which keeps the file's blocks and
-    a kernel of its own (cuda/blocks.py); without `requantize` it expands those to `dtype` and
+    to `dtype` instead, the simple mode to compare against. On the CPU native mode holds Q2_K,
+    Q3_K, Q4_K and Q6_K matrices in their sub-block form (quantized_layers.SubBlockLinear: the
+    file's values, in about its bits). On a GPU it holds Q2_K and Q6_K matrices re-quantized to 8
+    bits a value (quants.py: their 16-value sub-blocks have no exact affine form), except a Q6_K
+    output layer under mlxllama.cuda, which keeps the file's blocks and a kernel of its own
+    (cuda/blocks.py). Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and
     holds the file's values (trace does, to compare against an exact reference). The decode step is
     chosen here, once: on MLX's CUDA backend a native model decodes through the kernels of
     mlxllama.cuda, and every model prefills with explicit attention
@@ -208,7 +210,8 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     if kernels:
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
     model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard, requantize=requantize,
-                       block_products=cuda.block_products() if kernels else None)
+                       block_products=cuda.block_products() if kernels else None,
+                       sub_blocks=mx.default_device() == mx.cpu)
     model.store_kv_quantized(kv_quantization)
     if kernels:
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step

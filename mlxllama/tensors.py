@@ -16,8 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import MlxLlamaError
 from .gguf_file import tensor_shape
-from .quants import (AFFINE_GROUP_SIZE, AFFINE_TYPES, REQUANTIZED_TYPES, SUPPORTED_TYPES, AffineWeight, dequantize,
-                     to_affine)
+from .quants import (AFFINE_GROUP_SIZE, AFFINE_TYPES, REQUANTIZED_TYPES, SUPPORTED_TYPES, AffineWeight, SubBlockWeight,
+                     dequantize, sub_block_form_fits, to_affine, to_sub_blocks)
 
 
 class Blocks(NamedTuple):
@@ -27,7 +27,7 @@ class Blocks(NamedTuple):
     qtype: GGMLQuantizationType
 
 
-Weight = mx.array | AffineWeight | Blocks
+Weight = mx.array | AffineWeight | SubBlockWeight | Blocks
 
 
 class Piece(NamedTuple):
@@ -62,12 +62,14 @@ def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype, shape: tuple[int, ...] | N
 
 
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
-            as_blocks: bool = False, piece: Piece | None = None, requantize: bool = True) -> Weight:
+            as_blocks: bool = False, piece: Piece | None = None, requantize: bool = True,
+            sub_blocks: bool = False) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
 
     native: a quantized matrix stays quantized, as its Blocks when `as_blocks` (a token table
     that is not also the output layer, or an output layer a backend multiplies in its blocks:
-    weights.py), else as an AffineWeight; dequantized mode, and every float
+    weights.py), as a SubBlockWeight where `sub_blocks` (the CPU's form) and its type has one
+    (Q2_K, Q3_K, Q4_K, Q6_K), else as an AffineWeight; dequantized mode, and every float
     tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
     Without `requantize`, a matrix of a type the affine form holds only approximately (Q2_K, Q6_K:
     quants.REQUANTIZED_TYPES) is expanded to `dtype` instead, so the model holds the file's values.
@@ -81,6 +83,8 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
         weight = Blocks(mx.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
     elif quantized and not requantize and tensor.tensor_type in REQUANTIZED_TYPES:
         weight = tensor_to_mlx(path, tensor, dtype, shape)
+    elif quantized and sub_blocks and sub_block_form_fits(tensor.tensor_type, shape):
+        return to_sub_blocks(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
     elif quantized and len(shape) == 3:  # a mixture's experts [experts, out, in]: rows of every expert in turn
         flat = to_affine(tensor.data, tensor.tensor_type, (shape[0] * shape[1], shape[2]))
         return flat._replace(**{part: getattr(flat, part).reshape(*shape[:2], -1)

@@ -24,20 +24,24 @@ from .fusion import fuse_block
 from .gguf_file import GGUFFile
 from .models import Architecture, ModelConfig, Transformer
 from .quantized_layers import BlockProduct, quantized_layer
-from .quants import AffineWeight
+from .quants import AffineWeight, SubBlockWeight
 from .sharding import Shard
 from .tensors import Blocks, Weight, convert
 
 
 def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
                native: bool = True, shard: Shard | None = None, requantize: bool = True,
-               block_products: Mapping[GGMLQuantizationType, BlockProduct] | None = None) -> Transformer:
+               block_products: Mapping[GGMLQuantizationType, BlockProduct] | None = None,
+               sub_blocks: bool = False) -> Transformer:
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
     its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized
     (`requantize`: tensors.convert).
     With a `shard`, only the tensors and pieces of tensors that rank holds are read.
     `block_products`: a backend's kernels by type; in native mode an output layer of one of those
-    types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks."""
+    types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks.
+    `sub_blocks` (the CPU's choice): in native mode, Q2_K, Q3_K, Q4_K and Q6_K matrices are held in
+    their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits),
+    unless split over ranks."""
     kernels = block_products if native and block_products and shard is None else {}
     head = "token_embd.weight" if config.tied_output else "output.weight"
     lookup_table = None if config.tied_output else "token_embd.weight"  # only looked up: kept in its blocks
@@ -63,7 +67,8 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         products = {parameter: product_for(name) for name, (parameter, _) in part.items()}
         converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                         as_blocks=name == lookup_table or products[parameter] is not None,
-                                        piece=shard.piece(name, config) if shard else None, requantize=requantize)
+                                        piece=shard.piece(name, config) if shard else None, requantize=requantize,
+                                        sub_blocks=sub_blocks and shard is None)
                      for name, (parameter, shape) in part.items()}
         _load(model, converted, products)
 
@@ -80,7 +85,7 @@ def _load(model: nn.Module, weights: dict[str, Weight], products: dict[str, Bloc
 
     def swap(path: str, module: nn.Module) -> nn.Module:
         weight = weights.get(f"{path}.weight")
-        if not isinstance(weight, (AffineWeight, Blocks)):
+        if not isinstance(weight, (AffineWeight, SubBlockWeight, Blocks)):
             return module
         return quantized_layer(module, weight, products.get(f"{path}.weight"))
 

@@ -178,6 +178,19 @@ def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
     assert six["mean_kl"] > 1.5 * held["mean_kl"]
 
 
+def test_sub_block_products_times_both_forms_and_finds_only_the_sub_blocks_exact(tmp_path):
+    """The measurement behind the CPU's sub-block form (docs/benchmarks.md), on a small shape."""
+    out = tmp_path / "products.json"
+    printed = run_script("benchmarks/sub_block_products.py", "--shapes", "64x512", "--rows", "1,3", "--json", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["type"], r["rows"]) for r in rows] == [(t, n) for t in ("Q6_K", "Q4_K", "Q3_K", "Q2_K") for n in (1, 3)]
+    bits = {r["type"]: (r["affine_bits"], r["sub_blocks_bits"]) for r in rows}
+    assert bits == {"Q6_K": (8.5, 6.5625), "Q4_K": (5.0, 4.625), "Q3_K": (8.5, 4.5625), "Q2_K": (9.0, 3.125)}
+    assert all(r["sub_blocks_error"] < 1e-5 and r["affine_ms"] > 0 and r["sub_blocks_ms"] > 0 for r in rows)
+    assert all(r["affine_error"] > 1e-3 for r in rows if r["type"] in ("Q6_K", "Q2_K"))  # re-quantized
+    assert printed.count("sub-blocks") == len(rows)
+
+
 def test_engine_turns_times_every_call_and_every_request_of_a_burst(tmp_path):
     """Two clients, two requests each, on chat-tiny: every timed request was admitted and got a first
     token, repeated questions came from the prompt cache, and the calls account for the steps run."""

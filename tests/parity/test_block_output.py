@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT
 import mlxllama
 import mlxllama.quantized_layers
 import mlxllama.runtime
-from mlxllama.quantized_layers import BlockLinear, NativeLinear, TiedBlockEmbedding, TiedEmbedding, quantized_layer
+from mlxllama.quantized_layers import (BlockLinear, NativeLinear, TiedBlockEmbedding, TiedEmbedding, TiedSubBlockEmbedding,
+                                       quantized_layer)
 from mlxllama.quants import decode_blocks, dequantize
 from mlxllama.tensors import Blocks
 from mlxllama.weights import load_model
@@ -83,10 +84,11 @@ def test_a_tied_table_in_blocks_looks_up_rows_exactly_and_multiplies_through_the
 
 
 def load_with_product(monkeypatch, path, **options):
-    """mlxllama.load as on a backend with a Q6_K kernel (the stand-in), and that kernel."""
+    """mlxllama.load as on a backend with a Q6_K kernel (the stand-in), and that kernel. Such a
+    backend (CUDA) holds the other matrices in MLX's affine form, not the CPU's sub-block form."""
     product = ExactProduct(2)
-    monkeypatch.setattr(mlxllama.runtime, "load_model",
-                        lambda *args, **options: load_model(*args, **{**options, "block_products": {QT.Q6_K: product}}))
+    monkeypatch.setattr(mlxllama.runtime, "load_model", lambda *args, **options: load_model(
+        *args, **{**options, "block_products": {QT.Q6_K: product}, "sub_blocks": False}))
     return mlxllama.load(path, **options), product
 
 
@@ -103,10 +105,11 @@ def test_the_loader_keeps_a_q6_k_output_in_the_files_blocks_at_the_files_size(mo
 
 
 def test_the_loader_keeps_other_outputs_and_dequantized_models_as_before(monkeypatch):
-    # Without a backend's kernel (the CPU, or CUDA with MLXLLAMA_CUDA_KERNELS=0), a tied Q6_K table
-    # stays in MLX's affine form.
+    # Without a backend's kernel (CUDA with MLXLLAMA_CUDA_KERNELS=0), a tied Q6_K table stays in
+    # MLX's affine form; on the CPU it takes the sub-block form.
     monkeypatch.setattr(mlxllama.runtime, "cuda_kernels_wanted", lambda: False)
-    assert isinstance(mlxllama.load(find_fixture_model("qwen3-tiny-Q4_K_M.gguf")).model.token_embd, TiedEmbedding)
+    table = mlxllama.load(find_fixture_model("qwen3-tiny-Q4_K_M.gguf")).model.token_embd
+    assert isinstance(table, TiedSubBlockEmbedding if mx.default_device() == mx.cpu else TiedEmbedding)
     q8_0, _ = load_with_product(monkeypatch, find_fixture_model("types-tiny-Q8_0.gguf"))
     assert isinstance(q8_0.model.output, NativeLinear)
     dense, _ = load_with_product(monkeypatch, find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)

@@ -17,8 +17,9 @@ from gguf import GGMLQuantizationType as QT
 
 import mlxllama
 import mlxllama.fusion
+import mlxllama.runtime
 from mlxllama.fusion import stacked
-from mlxllama.quantized_layers import BlockEmbedding, NativeLinear, TiedEmbedding, quantized_layer
+from mlxllama.quantized_layers import BlockEmbedding, BlockLinear, NativeLinear, SubBlockLinear, TiedEmbedding, quantized_layer
 from mlxllama.tensors import Blocks
 from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
 from mlxllama.step_cost import launches
@@ -82,23 +83,36 @@ def test_requantized_error_is_a_small_part_of_the_type_own_error(fixture_model):
     assert added_rms < 0.5 * own_rms
 
 
+def outputs(layer: NativeLinear | SubBlockLinear) -> int:
+    return layer.weight.shape[0] if isinstance(layer, NativeLinear) else layer.sub_scales.shape[1]
+
+
 def test_native_model_uses_quantized_layers_per_tensor_type():
     m = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     layers = dict(m.model.named_modules())
     assert isinstance(layers["token_embd"], BlockEmbedding)
+    # On the CPU the K-types take their exact sub-block form, Q4_K's codes in 4 bits and Q6_K's in 6;
+    # on a GPU MLX's affine form, Q6_K re-quantized to 8 bits on a symmetric grid.
+    cpu = mx.default_device() == mx.cpu
+    kind, q6_k_bits = (SubBlockLinear, 6) if cpu else (NativeLinear, 8)
     # Q/K/V and gate/up are Q4_K and fused (fusion.py); layer 2's attn_v is Q6_K, so Q and K stack without it.
-    assert isinstance(layers["blk.0.attn_qkv"], NativeLinear) and layers["blk.0.attn_qkv"].bits == 4
-    assert layers["blk.0.attn_qkv"].weight.shape[0] == 256 + 2 * 64 and "attn_q" not in layers["blk.0"]
-    assert layers["blk.2.attn_v"].bits == 8 and layers["blk.2.attn_qk"].bits == 4 and "attn_qkv" not in layers["blk.2"]
-    assert layers["blk.2.attn_qk"].weight.shape[0] == 256 + 64 and "attn_q" not in layers["blk.2"]
-    assert isinstance(layers["blk.2.ffn_gate_up"], NativeLinear)
-    assert layers["output"].bits == 8 and "biases" not in layers["output"]  # Q6_K in this mix: symmetric
+    assert isinstance(layers["blk.0.attn_qkv"], kind) and layers["blk.0.attn_qkv"].bits == 4
+    assert outputs(layers["blk.0.attn_qkv"]) == 256 + 2 * 64 and "attn_q" not in layers["blk.0"]
+    assert layers["blk.2.attn_qk"].bits == 4 and "attn_qkv" not in layers["blk.2"]
+    assert outputs(layers["blk.2.attn_qk"]) == 256 + 64 and "attn_q" not in layers["blk.2"]
+    assert isinstance(layers["blk.2.ffn_gate_up"], kind)
+    assert isinstance(layers["blk.2.attn_v"], kind) and layers["blk.2.attn_v"].bits == q6_k_bits
+    if cpu or not mlxllama.runtime.cuda_kernels_wanted():
+        assert isinstance(layers["output"], kind) and layers["output"].bits == q6_k_bits
+        assert cpu or "biases" not in layers["output"]  # the symmetric grid's biases are derived
+    else:  # the CUDA kernels' Q6_K output in the file's blocks (test_block_output.py)
+        assert isinstance(layers["output"], BlockLinear)
     dense = dict(mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True).model.named_modules())
     assert type(dense["blk.0.attn_qkv"]) is nn.Linear and type(dense["blk.2.attn_qkv"]) is nn.Linear
     # As trace loads: Q6_K expanded to the file's values, Q4_K native.
     exact = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), requantize=False)
     layers = dict(exact.model.named_modules())
-    assert isinstance(layers["blk.0.attn_qkv"], NativeLinear) and layers["blk.0.attn_qkv"].bits == 4
+    assert isinstance(layers["blk.0.attn_qkv"], kind) and layers["blk.0.attn_qkv"].bits == 4
     assert type(layers["blk.2.attn_v"]) is nn.Linear and type(layers["output"]) is nn.Linear
     tensor = next(t for t in gguf.GGUFReader(exact.path).tensors if t.name == "blk.2.attn_v.weight")
     assert tensor.tensor_type == QT.Q6_K

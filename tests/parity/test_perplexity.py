@@ -17,6 +17,7 @@ import json
 import math
 from functools import lru_cache
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -83,7 +84,8 @@ def test_within_one_percent_of_llama_cpp(quant):
 
 @pytest.mark.parametrize("quant", EXACT_512)
 def test_ctx_512_within_one_percent_of_the_exact_figure(quant):
-    """Against scripts/exact_perplexity.py's float64 computation: the issue asks 1%, 0.11% was observed."""
+    """Against scripts/exact_perplexity.py's float64 computation: the issue asks 1%; on the CPU 0.04% is
+    observed (Q5_K_M), 0.002% on the rest, and on an H100 in float16 under 0.5%."""
     m, reference = runtime(quant), exact(quant, 512)
     ours = perplexity(m.model, m.tokenize(read_text(str(CORPUS))), 512, m.tokenizer.bos_id)
     assert (ours.n_tokens, ours.n_chunks, ours.n_scored) == (
@@ -92,17 +94,26 @@ def test_ctx_512_within_one_percent_of_the_exact_figure(quant):
     assert ours.uncertainty == pytest.approx(reference["uncertainty"], rel=0.05)
 
 
-def test_quantizations_are_ordered_like_llama_cpps():
-    """F16 <= Q8_0 <= Q4_K_M <= Q2_K on text sampled from F16.
+def test_quantizations_are_ordered_as_their_exact_figures():
+    """F16 lowest and Q2_K clearly highest, Q8_0 and Q4_K_M a near-tie, on text sampled from F16.
 
-    llama.cpp's figures are in this order. Ours are too, but the first three are close: on this
-    model the mean KL divergence from F16 is about 6e-6 (Q8_0) and 7e-5 (Q4_K_M) nats per token,
-    so they differ by hundredths of a percent; only Q2_K stands clearly apart.
+    On this model the mean KL divergence from F16 is about 6e-6 (Q8_0) and 7e-5 (Q4_K_M) nats per
+    token, so the first three differ by hundredths of a percent. llama.cpp puts Q8_0 below Q4_K_M;
+    the exact figures put it 0.02% above (6.773509 against 6.772305), as ours do on the CPU.
     """
-    ours = [our_ppl(q).ppl for q in ORDER]
+    ours = dict(zip(ORDER, (our_ppl(q).ppl for q in ORDER)))
+    assert ours["F16"] < min(ours["Q8_0"], ours["Q4_K_M"]) and ours["Q2_K"] > 1.01 * max(ours[q] for q in ORDER[:3])
+    assert ours["Q8_0"] == pytest.approx(ours["Q4_K_M"], rel=1e-3)
     assert [llama_cpp(q)["ppl"] for q in ORDER] == sorted(llama_cpp(q)["ppl"] for q in ORDER)
-    assert ours == sorted(ours), ours
-    assert ours[-1] > 1.01 * ours[0]
+    assert exact("Q4_K_M", N_CTX)["ppl"] < exact("Q8_0", N_CTX)["ppl"]
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="float32 and the CPU's exact forms of the K-types")
+@pytest.mark.parametrize("quant", ORDER)
+def test_ctx_128_matches_the_exact_figure_on_the_cpu(quant):
+    """Every weight at the file's value and float32 throughout: within 0.001% of the float64
+    computation (before the K-types' sub-block form, Q4_K_M was 0.04% off and Q2_K 0.03%)."""
+    assert our_ppl(quant).ppl == pytest.approx(exact(quant, N_CTX)["ppl"], rel=1e-5)
 
 
 def test_the_computation_is_llama_cpps():
