@@ -3,7 +3,8 @@ saved with everything they depend on, so a later run prefills only what follows 
 
 A file is safetensors: the prefix's token ids, each layer's keys and values for those positions,
 and in its metadata the model file's identity and the settings that change the keys and values
-(the template, the context length, native or dequantized weights, the compute dtype, how the
+(the template, the context length, how the weights are held (native, with or without the CPU's
+sub-block form, or dequantized), the compute dtype, how the
 cache is quantized: a quantized cache is saved as it is stored, as its three arrays). Loading
 checks all of them against the run and refuses, in one line, a file that does not match: a cache
 made for another model or with other settings would give wrong output, not an error.
@@ -69,7 +70,7 @@ def settings_of(runtime, template: Template) -> dict[str, str]:
         "template": template.label,
         "template_sha256": hashlib.sha256(text.encode()).hexdigest() if template.text is not None else "none",
         "context_length": str(runtime.config.context_length),  # Phi-3's RoPE factors depend on it
-        "weights": "dequantized" if runtime.dequantized else "native",
+        "weights": runtime.weight_form,
         "dtype": runtime.model.compute_dtype_name,
         "kv_cache": kv_label(runtime.model.kv_quantization),
     }

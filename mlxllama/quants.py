@@ -485,9 +485,9 @@ class SubBlockWeight(NamedTuple):
 
     codes: mx.array  # uint32 [cols, padded * bits / 32]
     sub_scales: mx.array  # int8 [cols / sub-block, padded]
-    d: mx.array  # float16 [cols / 256, padded]
+    d: mx.array  # float16 [cols / 256, padded]; [cols / sub-block, padded] where a split cut a block
     sub_mins: mx.array | None  # int8 [cols / sub-block, padded], or None for a type without mins
-    dmin: mx.array | None  # float16 [cols / 256, padded], or None
+    dmin: mx.array | None  # float16, as d, or None
     rows: int  # of the matrix, without the padding
     bits: int
     offset: int

@@ -19,6 +19,7 @@ from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
+from .quantized_layers import SubBlockLinear
 from .sampling import SamplingParams, make_sampler
 from .sharding import Shard, plan_shard
 from .speculative import Drafting, Speculation
@@ -63,6 +64,15 @@ class Runtime:
         self.tokenizer = tokenizer
         self.metadata = metadata
         self.load_seconds = load_seconds
+
+    @property
+    def weight_form(self) -> str:
+        """How the weights are held, as a saved prompt cache records it (its keys and values differ by
+        it): "dequantized", "native" (MLX's affine form), or "native, sub-blocks" (the K-types in the
+        CPU's exact form, quantized_layers.SubBlockLinear)."""
+        if self.dequantized:
+            return "dequantized"
+        return "native, sub-blocks" if any(isinstance(m, SubBlockLinear) for m in self.model.modules()) else "native"
 
     @property
     def chat_template(self) -> str | None:
@@ -250,6 +260,15 @@ class ModelFile:
     config: ModelConfig
     tokenizer: Tokenizer
     metadata: dict
+
+    @property
+    def weight_form(self) -> str:
+        """How the weights are held, as a saved prompt cache records it (its keys and values differ by
+        it): "dequantized", "native" (MLX's affine form), or "native, sub-blocks" (the K-types in the
+        CPU's exact form, quantized_layers.SubBlockLinear)."""
+        if self.dequantized:
+            return "dequantized"
+        return "native, sub-blocks" if any(isinstance(m, SubBlockLinear) for m in self.model.modules()) else "native"
 
     @property
     def chat_template(self) -> str | None:

@@ -76,7 +76,7 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     """
     if piece is not None:
         tensor, shape, trim = cut(tensor, shape, piece)
-        weight = convert(path, tensor, shape, dtype, native, requantize=requantize)
+        weight = convert(path, tensor, shape, dtype, native, requantize=requantize, sub_blocks=sub_blocks)
         return trim_columns(weight, trim) if trim else weight
     quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
     if quantized and as_blocks:  # the file's own blocks: exact whatever the type
@@ -128,9 +128,12 @@ def cut(tensor, shape: tuple[int, ...], piece: Piece) -> tuple[TensorPart, tuple
 
 def trim_columns(weight: Weight, columns: tuple[int, int]) -> Weight:
     """Columns [a, b) of a converted weight, copied, so that the rest of the block it was read in is
-    freed; an AffineWeight's must fall on whole groups (sharding.py only asks for those)."""
+    freed; an AffineWeight's must fall on whole groups, a SubBlockWeight's on whole sub-blocks
+    (sharding.py only asks for groups of 32, which are both)."""
     a, b = columns
-    if isinstance(weight, AffineWeight):
+    if isinstance(weight, SubBlockWeight):
+        trimmed = _trim_sub_blocks(weight, a, b)
+    elif isinstance(weight, AffineWeight):
         group = AFFINE_GROUP_SIZE
         assert a % group == 0 and b % group == 0, (a, b)
         words = group * weight.bits // 32
@@ -142,3 +145,22 @@ def trim_columns(weight: Weight, columns: tuple[int, int]) -> Weight:
         trimmed = mx.contiguous(weight[..., a:b])
     mx.eval(trimmed)
     return trimmed
+
+
+def _trim_sub_blocks(weight: SubBlockWeight, a: int, b: int) -> SubBlockWeight:
+    """Input columns [a, b) of a sub-block form (its codes' rows). A cut inside a 256-value block
+    leaves d and dmin one a sub-block instead of one a block (SubBlockLinear reads either)."""
+    size = weight.codes.shape[0] // weight.sub_scales.shape[0]
+    assert a % size == 0 and b % size == 0, (a, b)
+    per_block = weight.sub_scales.shape[0] // weight.d.shape[0]  # sub-blocks a d
+    if a % 256 or b % 256:
+        def factors(f: mx.array) -> mx.array:
+            return mx.repeat(f, per_block, axis=0)[a // size : b // size]
+    else:
+        def factors(f: mx.array) -> mx.array:
+            return f[a // 256 : b // 256]
+    subs = slice(a // size, b // size)
+    parts = {"codes": weight.codes[a:b], "sub_scales": weight.sub_scales[subs], "d": factors(weight.d)}
+    if weight.sub_mins is not None:
+        parts.update(sub_mins=weight.sub_mins[subs], dmin=factors(weight.dmin))
+    return weight._replace(**{name: mx.contiguous(value) for name, value in parts.items()})

@@ -40,8 +40,7 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     `block_products`: a backend's kernels by type; in native mode an output layer of one of those
     types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks.
     `sub_blocks` (the CPU's choice): in native mode, Q2_K, Q3_K, Q4_K and Q6_K matrices are held in
-    their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits),
-    unless split over ranks."""
+    their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits)."""
     kernels = block_products if native and block_products and shard is None else {}
     head = "token_embd.weight" if config.tied_output else "output.weight"
     lookup_table = None if config.tied_output else "token_embd.weight"  # only looked up: kept in its blocks
@@ -68,7 +67,7 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                         as_blocks=name == lookup_table or products[parameter] is not None,
                                         piece=shard.piece(name, config) if shard else None, requantize=requantize,
-                                        sub_blocks=sub_blocks and shard is None)
+                                        sub_blocks=sub_blocks)
                      for name, (parameter, shape) in part.items()}
         _load(model, converted, products)
 

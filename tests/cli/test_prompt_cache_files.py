@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -90,8 +91,16 @@ def test_a_file_that_does_not_belong_is_a_one_line_error(saved, tmp_path):
     assert "made for another model" in error(str(saved), "-m", str(tuned))
     assert "made with the template 'gguf (zephyr)', this run has 'none'" in error(str(saved), "--no-template")
     assert "made with --ctx '512', this run has '256'" in error(str(saved), "-c", "256")
-    assert "made with native or --dequantize weights 'native', this run has 'dequantized'" in error(
+    held = "native, sub-blocks" if mx.default_device() == mx.cpu else "native"  # the CPU's exact K-types
+    assert f"made with native or --dequantize weights '{held}', this run has 'dequantized'" in error(
         str(saved), "--dequantize")
+    # Made in MLX's affine form (on a GPU, or on the CPU before its sub-block form): other values.
+    arrays, metadata = mx.load(str(saved), return_metadata=True)
+    other = "native" if held != "native" else "native, sub-blocks"
+    metadata["settings"] = json.dumps({**json.loads(metadata["settings"]), "weights": other})
+    affine = tmp_path / "affine.safetensors"
+    mx.save_safetensors(str(affine), arrays, metadata)
+    assert f"made with native or --dequantize weights '{other}', this run has '{held}'" in error(str(affine))
     assert "the prompt does not start with the cached prefix" in run(
         "generate", "-p", "Hello", "--prompt-cache", str(saved)).stderr
     truncated = tmp_path / "truncated.safetensors"

@@ -431,8 +431,9 @@ def test_every_architecture_agrees_with_its_exact_reference(name, dequantize, tm
 
 
 def test_trace_holds_q6_k_exactly_unless_told_to_requantize(tmp_path):
-    # Q6_K's 16-value sub-blocks re-quantized into 8-bit groups of 32 (generate's native form): on
-    # llama3-tiny, every matrix Q6_K, 0.026 against 0.001 at the file's values. Still no divergence.
+    # Q6_K's 16-value sub-blocks re-quantized into 8-bit groups of 32 (generate's native form on a
+    # GPU): on llama3-tiny, every matrix Q6_K, 0.026 against 0.001 at the file's values. Still no
+    # divergence. On the CPU generate's form is exact too (the sub-block form): both 0.001.
     name = "llama3-tiny-Q6_K"
     largest = {}
     for flags in ([], ["--requantized"]):
@@ -444,7 +445,10 @@ def test_trace_holds_q6_k_exactly_unless_told_to_requantize(tmp_path):
                                            "--json"])
         assert result.exit_code == 0, result.output
         largest[bool(flags)] = max(layer["max_error"] for layer in json.loads(result.output)["layers"])
-    assert largest[False] < 0.01 < largest[True] < 0.05, largest
+    if mx.default_device() == mx.cpu:
+        assert largest[False] < 0.01 and largest[True] < 0.01, largest
+    else:
+        assert largest[False] < 0.01 < largest[True] < 0.05, largest
 
 
 def test_a_comparison_plot_draws_a_heads_weights_beside_the_errors(tmp_path):

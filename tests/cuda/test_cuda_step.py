@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
+from unittest.mock import patch
 
 import gguf
 import mlx.core as mx
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import mlxllama
+import mlxllama.runtime
 from mlxllama import synthetic
 from mlxllama.batching import Request, batch_generate
 from mlxllama.cache import KVQuantization, kv_map
@@ -25,10 +27,20 @@ from mlxllama.cuda import KernelStep, kernels
 from mlxllama.generate import prefill
 from mlxllama.prompt import Template, build_prompt, messages_for
 from mlxllama.quants import to_affine
+from mlxllama.weights import load_model
 
 from conftest import assert_same_greedy, find_fixture_model
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
+
+
+def load_as_on_cuda(path, **options) -> mlxllama.Runtime:
+    """mlxllama.load with the weights in MLX's affine form, as on CUDA, for the tests that build the
+    kernels' step on any device: the CPU holds the K-types in its sub-block form instead."""
+    with patch.object(mlxllama.runtime, "load_model",
+                      lambda *args, **kw: load_model(*args, **{**kw, "sub_blocks": False})):
+        return mlxllama.load(path, **options)
+
 
 MODELS = ["chat-tiny-Q4_K_M.gguf", "chat-tiny-Q4_0.gguf", "chat-tiny-Q5_K_M.gguf", "chat-tiny-Q6_K.gguf",
           "chat-tiny-Q8_0.gguf", "chat-tiny-Q2_K.gguf", "chat-tiny-Q3_K_M.gguf", "mistral-tiny-Q4_K_M.gguf",
@@ -400,7 +412,7 @@ def test_kernel_step_is_off_for_dequantized_models():
 
 
 def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_memory():
-    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    runtime = load_as_on_cuda(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     plain = runtime.model.decode_step
     h100 = KernelStep(runtime.model, plain, blocks=132, shared_bytes=232448)
     assert h100.takes(1) and h100.takes(2) and h100.takes(16) and not h100.takes(17)
@@ -459,7 +471,7 @@ def test_kernel_step_takes_a_quantized_cache_except_where_it_starts_quantizing()
     """Before --quantized-kv-start the cache is plain and the kernels take it; the step that passes
     the start goes to the plain step, which quantizes what the cache held; after, the kernels read
     it quantized. 4-bit values of chat-tiny's heads of 32 go the plain way throughout."""
-    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=KVQuantization(8, start=5))
+    runtime = load_as_on_cuda(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=KVQuantization(8, start=5))
     step = KernelStep(runtime.model, runtime.model.decode_step, blocks=132)
     cache = runtime.model.make_cache()
     runtime.model(mx.array([PROMPT[:4]]), cache)
@@ -505,7 +517,7 @@ def test_projections_of_fused_layers_are_the_files_tensors():
     """The kernels read Q, K, V (and gate, up) as row ranges of the fused layers: each range must be
     exactly the file's tensor, so the kernels are built here (no kernel runs) and compared."""
     path = find_fixture_model("chat-tiny-Q4_K_M.gguf")
-    runtime = mlxllama.load(path)
+    runtime = load_as_on_cuda(path)
     step = KernelStep(runtime.model, runtime.model.decode_step, blocks=132)
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
