@@ -262,15 +262,6 @@ class ModelFile:
     metadata: dict
 
     @property
-    def weight_form(self) -> str:
-        """How the weights are held, as a saved prompt cache records it (its keys and values differ by
-        it): "dequantized", "native" (MLX's affine form), or "native, sub-blocks" (the K-types in the
-        CPU's exact form, quantized_layers.SubBlockLinear)."""
-        if self.dequantized:
-            return "dequantized"
-        return "native, sub-blocks" if any(isinstance(m, SubBlockLinear) for m in self.model.modules()) else "native"
-
-    @property
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template")
 
