@@ -27,14 +27,15 @@ ROWS = (1, 2, 8, 16, 32, 64, 512)
 CALLS = 20
 
 
-def per_call_ms(make) -> float:
-    mx.eval([make() for _ in range(CALLS)])
+def per_call_ms(make, calls: int = CALLS) -> float:
+    """Milliseconds a call of `make`: the median of 5 evaluations of `calls` calls, after a warm-up."""
+    mx.eval([make() for _ in range(calls)])
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        mx.eval([make() for _ in range(CALLS)])
+        mx.eval([make() for _ in range(calls)])
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / CALLS * 1e3
+    return statistics.median(times) / calls * 1e3
 
 
 def main():

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +25,8 @@ from mlx.utils import tree_flatten
 from mlxllama.quantized_layers import NativeLinear, SubBlockLinear
 from mlxllama.quants import FORMATS, decode_blocks, to_affine, to_sub_blocks
 from mlxllama.runtime import default_dtype
+
+from matmul_paths import per_call_ms  # benchmarks/ is the script's own folder
 
 SHAPES = "151936x1024,1024x3072"
 TYPES = tuple(GGMLQuantizationType[name] for name in ("Q6_K", "Q4_K", "Q3_K", "Q2_K"))
@@ -43,16 +43,6 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
             raw[:, start : start + width] = rng.uniform(1e-3, 1e-2, (len(raw), 1)).astype(np.float16).view(np.uint8)
         start += width
     return raw
-
-
-def per_call_ms(make, calls: int) -> float:
-    mx.eval([make() for _ in range(calls)])
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        mx.eval([make() for _ in range(calls)])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / calls * 1e3
 
 
 def held_bits(layer, values: int) -> float:

@@ -5,7 +5,8 @@ that uses it becomes a NativeLinear with that tensor's bits, so one model mixes 
 file does (a Q4_K_M file holds Q4_K and Q6_K). On the CPU a matrix of a K-type other than Q5_K
 becomes a SubBlockLinear instead (quants.to_sub_blocks: the file's values, in about its bits).
 The token embedding is only ever looked up, so unless it doubles as the output layer it keeps the
-file's own blocks (tensors.Blocks) and decodes the rows it needs, bit-exactly. weights.py swaps these in; the model classes stay plain.
+file's own blocks (tensors.Blocks) and decodes the rows it needs, bit-exactly. weights.py swaps
+these in; the model classes stay plain.
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ class SubBlockLinear(nn.Module):
                                    mx.broadcast_to(mx.array(1, x.dtype), grid),
                                    mx.broadcast_to(mx.array(-self.offset, x.dtype), grid),
                                    transpose=False, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+        # d x scale is formed at each call: held, it would add 32 bits a sub-block (2 a value for Q6_K).
         y = (sums * self._per_block("sub_scales", "d", x.dtype)[:, None]).sum(axis=0)
         if "sub_mins" in self:
             y = y - x.reshape(n, subs, size).sum(axis=-1) @ self._per_block("sub_mins", "dmin", x.dtype)

@@ -497,7 +497,9 @@ class SubBlockWeight(NamedTuple):
 class _SubBlockForm(NamedTuple):
     bits: int  # a code's width as held: MLX's CPU unpacks 3- and 5-bit fields 5 times slower than 4
     offset: int  # code = q + offset for q as `parts` gives it
-    # d (n, 1), scales (n, subs), q (n, subs, sub-block), dmin (n, 1) and mins (n, subs) or None, float32
+    size: int  # values a sub-block
+    mins: bool  # whether the type has a min a sub-block (and a dmin a block)
+    # d (n, 1), scales (n, subs), q (n, subs, size), dmin (n, 1) and mins (n, subs) or None, float32
     parts: Callable[[Fields], tuple[mx.array, ...]]
 
 
@@ -512,10 +514,10 @@ def _q2_k_parts(f: Fields) -> tuple[mx.array, ...]:
 
 
 SUB_BLOCK_FORMS: dict[GGMLQuantizationType, _SubBlockForm] = {
-    QT.Q6_K: _SubBlockForm(6, 32, lambda f: (*_q6_k_parts(f), None, None)),
-    QT.Q3_K: _SubBlockForm(4, 4, lambda f: (*_q3_k_parts(f), None, None)),
-    QT.Q4_K: _SubBlockForm(4, 0, _q4_k_parts),
-    QT.Q2_K: _SubBlockForm(2, 0, _q2_k_parts),
+    QT.Q6_K: _SubBlockForm(6, 32, 16, False, lambda f: (*_q6_k_parts(f), None, None)),
+    QT.Q3_K: _SubBlockForm(4, 4, 16, False, lambda f: (*_q3_k_parts(f), None, None)),
+    QT.Q4_K: _SubBlockForm(4, 0, 32, True, _q4_k_parts),
+    QT.Q2_K: _SubBlockForm(2, 0, 16, True, _q2_k_parts),
 }
 # Rows are padded to a multiple of this (MLX's quantized products take groups of 32 outputs), and
 # converted a multiple of it at a time, so that each slice of packed codes is whole words.
@@ -534,17 +536,15 @@ def to_sub_blocks(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[in
     if not sub_block_form_fits(qtype, (rows, cols)):
         raise ValueError(f"a {qtype.name} tensor of shape {shape} has no sub-block form")
     raw, type_size = _block_rows(data, qtype, rows, cols)
-    form, (bits, offset, parts) = FORMATS[qtype], SUB_BLOCK_FORMS[qtype]
-    _, scales, _, dmin, _ = parts(form.fields(mx.array(raw[:1, :type_size])))  # the type's shapes
-    subs = cols // 256 * scales.shape[1]
+    form, (bits, offset, size, has_mins, parts) = FORMATS[qtype], SUB_BLOCK_FORMS[qtype]
     padded = -(-rows // _SUB_BLOCK_ROW_STEP) * _SUB_BLOCK_ROW_STEP
 
     def zeros(per_row: int, dtype: mx.Dtype, present: bool = True) -> mx.array | None:
         return mx.zeros((per_row, padded), dtype) if present else None
 
-    out = SubBlockWeight(mx.zeros((cols, padded * bits // 32), mx.uint32), zeros(subs, mx.int8),
-                         zeros(cols // 256, mx.float16), zeros(subs, mx.int8, dmin is not None),
-                         zeros(cols // 256, mx.float16, dmin is not None), rows, bits, offset, qtype)
+    out = SubBlockWeight(mx.zeros((cols, padded * bits // 32), mx.uint32), zeros(cols // size, mx.int8),
+                         zeros(cols // 256, mx.float16), zeros(cols // size, mx.int8, has_mins),
+                         zeros(cols // 256, mx.float16, has_mins), rows, bits, offset, qtype)
     step = max(1, _CHUNK_VALUES // cols // _SUB_BLOCK_ROW_STEP) * _SUB_BLOCK_ROW_STEP
     for start in range(0, rows, step):
         chunk = raw[start : start + step]

@@ -52,6 +52,20 @@ def find_fixture_model(name: str) -> Path:
     skip_missing(SHARED_MODELS / name)
 
 
+def load_as_on_cuda(path, block_products=None, **options):
+    """mlxllama.load with the weights in MLX's affine form, as on CUDA (the CPU holds the K-types in
+    its sub-block form instead), and with a backend's `block_products` where given: for the tests
+    that build CUDA's pieces, or stand in for them, on any device. `options` go to mlxllama.load."""
+    from unittest.mock import patch
+
+    import mlxllama.runtime
+    from mlxllama.weights import load_model
+
+    forms = {"sub_blocks": False, **({"block_products": block_products} if block_products is not None else {})}
+    with patch.object(mlxllama.runtime, "load_model", lambda *args, **kw: load_model(*args, **{**kw, **forms})):
+        return mlxllama.load(path, **options)
+
+
 @pytest.fixture
 def fixture_model() -> Callable[[str], Path]:
     """Use as `fixture_model("types-tiny-Q4_0.gguf")`; skips the test when the file is missing."""

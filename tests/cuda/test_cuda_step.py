@@ -11,7 +11,6 @@ import re
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
-from unittest.mock import patch
 
 import gguf
 import mlx.core as mx
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 
 import mlxllama
-import mlxllama.runtime
 from mlxllama import synthetic
 from mlxllama.batching import Request, batch_generate
 from mlxllama.cache import KVQuantization, kv_map
@@ -27,20 +25,10 @@ from mlxllama.cuda import KernelStep, kernels
 from mlxllama.generate import prefill
 from mlxllama.prompt import Template, build_prompt, messages_for
 from mlxllama.quants import to_affine
-from mlxllama.weights import load_model
 
-from conftest import assert_same_greedy, find_fixture_model
+from conftest import assert_same_greedy, find_fixture_model, load_as_on_cuda
 
 on_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernels run on MLX's CUDA backend only")
-
-
-def load_as_on_cuda(path, **options) -> mlxllama.Runtime:
-    """mlxllama.load with the weights in MLX's affine form, as on CUDA, for the tests that build the
-    kernels' step on any device: the CPU holds the K-types in its sub-block form instead."""
-    with patch.object(mlxllama.runtime, "load_model",
-                      lambda *args, **kw: load_model(*args, **{**kw, "sub_blocks": False})):
-        return mlxllama.load(path, **options)
-
 
 MODELS = ["chat-tiny-Q4_K_M.gguf", "chat-tiny-Q4_0.gguf", "chat-tiny-Q5_K_M.gguf", "chat-tiny-Q6_K.gguf",
           "chat-tiny-Q8_0.gguf", "chat-tiny-Q2_K.gguf", "chat-tiny-Q3_K_M.gguf", "mistral-tiny-Q4_K_M.gguf",

@@ -23,9 +23,8 @@ from mlxllama.quantized_layers import (BlockLinear, NativeLinear, TiedBlockEmbed
                                        quantized_layer)
 from mlxllama.quants import decode_blocks, dequantize
 from mlxllama.tensors import Blocks
-from mlxllama.weights import load_model
 
-from conftest import find_fixture_model
+from conftest import find_fixture_model, load_as_on_cuda
 from test_arch_parity import MIN_DECIDED
 from test_arch_parity import reference as arch_reference
 from test_llama_parity import PROMPTS, assert_greedy_matches, assert_logits_match, reference
@@ -83,18 +82,16 @@ def test_a_tied_table_in_blocks_looks_up_rows_exactly_and_multiplies_through_the
     assert product.calls == [2]
 
 
-def load_with_product(monkeypatch, path, **options):
+def load_with_product(path, **options):
     """mlxllama.load as on a backend with a Q6_K kernel (the stand-in), and that kernel. Such a
     backend (CUDA) holds the other matrices in MLX's affine form, not the CPU's sub-block form."""
     product = ExactProduct(2)
-    monkeypatch.setattr(mlxllama.runtime, "load_model", lambda *args, **options: load_model(
-        *args, **{**options, "block_products": {QT.Q6_K: product}, "sub_blocks": False}))
-    return mlxllama.load(path, **options), product
+    return load_as_on_cuda(path, block_products={QT.Q6_K: product}, **options), product
 
 
-def test_the_loader_keeps_a_q6_k_output_in_the_files_blocks_at_the_files_size(monkeypatch):
+def test_the_loader_keeps_a_q6_k_output_in_the_files_blocks_at_the_files_size():
     path = find_fixture_model("chat-tiny-Q4_K_M.gguf")
-    runtime, _ = load_with_product(monkeypatch, path)
+    runtime, _ = load_with_product(path)
     tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
     assert tensor.tensor_type == QT.Q6_K
     assert isinstance(runtime.model.output, BlockLinear)
@@ -110,15 +107,15 @@ def test_the_loader_keeps_other_outputs_and_dequantized_models_as_before(monkeyp
     monkeypatch.setattr(mlxllama.runtime, "cuda_kernels_wanted", lambda: False)
     table = mlxllama.load(find_fixture_model("qwen3-tiny-Q4_K_M.gguf")).model.token_embd
     assert isinstance(table, TiedSubBlockEmbedding if mx.default_device() == mx.cpu else TiedEmbedding)
-    q8_0, _ = load_with_product(monkeypatch, find_fixture_model("types-tiny-Q8_0.gguf"))
+    q8_0, _ = load_with_product(find_fixture_model("types-tiny-Q8_0.gguf"))
     assert isinstance(q8_0.model.output, NativeLinear)
-    dense, _ = load_with_product(monkeypatch, find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
+    dense, _ = load_with_product(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True)
     assert isinstance(dense.model.output, nn.Linear) and not isinstance(dense.model.output, BlockLinear)
 
 
-def test_a_q6_k_output_in_blocks_matches_llama_cpp(monkeypatch):
+def test_a_q6_k_output_in_blocks_matches_llama_cpp():
     """Logits over whole prompts (the decoded slices) and greedy decoding (the kernel) against llama.cpp."""
-    runtime, product = load_with_product(monkeypatch, find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    runtime, product = load_with_product(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     ref = reference("chat-tiny-Q4_K_M")
     for prompt in PROMPTS:
         assert_logits_match(runtime, ref, prompt, f"{prompt} (output in blocks)")
@@ -127,8 +124,8 @@ def test_a_q6_k_output_in_blocks_matches_llama_cpp(monkeypatch):
     assert product.calls and set(product.calls) == {1}
 
 
-def test_a_tied_q6_k_table_in_blocks_matches_llama_cpp(monkeypatch):
-    runtime, product = load_with_product(monkeypatch, find_fixture_model("qwen3-tiny-Q4_K_M.gguf"),
+def test_a_tied_q6_k_table_in_blocks_matches_llama_cpp():
+    runtime, product = load_with_product(find_fixture_model("qwen3-tiny-Q4_K_M.gguf"),
                                          context_length=512)
     assert isinstance(runtime.model.token_embd, TiedBlockEmbedding)
     ref = arch_reference("qwen3-tiny-Q4_K_M")
