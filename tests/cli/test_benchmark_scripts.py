@@ -80,6 +80,21 @@ def test_kernel_sass_compiles_the_q6_k_kernels_without_spilling():
                                 for label in labels), out), out
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("program", ["combine_runs_bench.cu", "ffn_products_bench.cu"])
+def test_cuda_programs_build_against_the_kernels_as_they_are(program, tmp_path):
+    # Each includes decode_step.cu and calls its helpers: a change there that they no longer build
+    # with shows here.
+    built = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "bench"),
+                            f"benchmarks/{program}"], cwd=REPO, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    if program == "ffn_products_bench.cu":
+        # Its variants are compared as the products would run in the layer kernel, which spills
+        # nothing in them: none of its kernels may spill either.
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", built.stderr)
+        assert len(spills) > 20 and all(stores == loads == "0" for stores, loads in spills), built.stderr
+
+
 def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
     out = tmp_path / "host_time.json"
     run_script("benchmarks/host_time.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--reps", "3",
