@@ -17,6 +17,11 @@ Ways to store the keys (`--keys`, any of):
   scaled      each channel divided by the square root of its largest magnitude in the first
               pass's keys before 4 bits along the head, and multiplied back after (a SmoothQuant-like
               per-channel scale, computed once a cache)
+  nvfp4       MLX's nvfp4 mode along the head: 4-bit floats (e2m1) in groups of 16 with an 8-bit
+              float scale (4.5 bits a value, as affine 4 bits in groups of 32 with 16-bit scale
+              and bias); a float's levels crowd near zero, where a group's values lie beside an
+              outlier channel
+  mxfp4       MLX's mxfp4 mode along the head: the same floats in groups of 32, a power-of-two scale
   centered    each channel's mean over the first pass's keys subtracted before 4 bits along the
               head, and added back after: a constant per channel and head adds the same q·mean to
               every score of a query, which softmax ignores, so a cache could store the centered
@@ -43,7 +48,8 @@ from mlxllama.cache import KVCache, KVQuantization  # noqa: E402
 from mlxllama.errors import MlxLlamaError  # noqa: E402
 from mlxllama.perplexity import perplexity, read_text  # noqa: E402
 
-WAYS = ("head", "full", "8", "tokens", "scaled", "centered")
+WAYS = ("head", "full", "8", "tokens", "scaled", "centered", "nvfp4", "mxfp4")
+FLOAT_GROUPS = {"nvfp4": 16, "mxfp4": 32}
 TOKEN_GROUP = 32
 
 
@@ -74,6 +80,10 @@ def storing(way: str):
         stored_keys, stored_values = quantization.decode(*quantization.encode(keys, values))
         if way == "full":
             stored_keys = keys
+        elif way in FLOAT_GROUPS:
+            group = FLOAT_GROUPS[way]
+            stored_keys = mx.dequantize(*mx.quantize(keys, group, 4, mode=way), group_size=group, bits=4,
+                                        mode=way).astype(keys.dtype)
         elif way == "tokens":
             stored_keys = along_tokens(keys, 4)
         elif way == "scaled":

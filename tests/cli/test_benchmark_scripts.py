@@ -163,10 +163,12 @@ def test_kv_key_grouping_measures_what_the_quantized_cache_does(tmp_path):
 
     model, corpus = find_fixture_model("chat-tiny-Q4_K_M.gguf"), REPO / "tests" / "fixtures" / "perplexity-corpus.txt"
     lines = [json.loads(line) for line in run_script("benchmarks/kv_key_grouping.py", str(model), str(corpus),
-                                                     "--keys", "head,centered").splitlines()]
-    assert [line["keys"] for line in lines] == ["unquantized", "head", "centered"]
+                                                     "--keys", "head,centered,nvfp4").splitlines()]
+    assert [line["keys"] for line in lines] == ["unquantized", "head", "centered", "nvfp4"]
     # the same 4 bits along the head, of keys less their channels' means: chat-tiny's +3.4%
     assert 0 < lines[2]["rise"] < lines[1]["rise"] - 0.02
+    # 4-bit floats in groups of 16 along the head: chat-tiny's -2.3%, against +8.2% for affine 4 bits
+    assert lines[3]["rise"] < lines[1]["rise"] - 0.05
     lines = lines[:2]
     text = read_text(str(corpus))
     for line, quantization in zip(lines, (None, KVQuantization(bits=4))):
@@ -180,7 +182,7 @@ def test_kv_key_grouping_names_an_unknown_way_in_one_line():
     result = subprocess.run([sys.executable, "benchmarks/kv_key_grouping.py", "m.gguf", "t.txt", "--keys", "rows"],
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr == (
-        "kv_key_grouping.py: error: --keys: no way named 'rows' (one of head, full, 8, tokens, scaled, centered)\n")
+        "kv_key_grouping.py: error: --keys: no way named 'rows' (one of head, full, 8, tokens, scaled, centered, nvfp4, mxfp4)\n")
 
 
 def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
