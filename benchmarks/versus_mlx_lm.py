@@ -3,7 +3,7 @@ Silicon runs, on whatever device this runs on.
 
     pip install --no-deps mlx-lm==0.32.2
     MLXLLAMA_CUDA_KERNELS=0 python benchmarks/versus_mlx_lm.py MODEL.gguf [-n 128] [-p 512]
-        [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--json OUT]
+        [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--fill random] [--json OUT]
 
 Ours: `mlxllama bench`'s prefill and decode loops on the GGUF file as it loads (native mode). mlx-lm:
 its `models.llama.Model` of the same shape, random weights in MLX's 4-bit format of group 64 (what
@@ -12,8 +12,12 @@ decodes), several through the same pipelined loop around its model and cache. ml
 imported without its Hugging Face parts: stand-ins take the place of `transformers` and
 `huggingface_hub` where they are not installed, and nothing of them is called.
 
-For each test, each engine's cache is filled to the depth once (and cut back to it after every run);
-then the engines run in turn, --rounds times, which goes first alternating. The table gives the
+For each test, each engine's cache is filled to the depth once (and cut back to it after every run):
+by prefilling random ids, or with `--fill random` by writing random keys and values straight into
+it (a decode step's cost at a depth depends on how many positions it attends, not on their values;
+on a 2-core CPU mlx-lm prefills 16 rows of 8,192 ids in hours; chat-tiny's layout written for a long
+context, `synthetic.write(path, "chat-tiny", context=16384)`, is what the CPU's deep tests run on).
+Then the engines run in turn, --rounds times, which goes first alternating. The table gives the
 median of the rounds and the ratio of the medians (ours / mlx-lm) with its spread (slowest ours over
 fastest mlx-lm, fastest over slowest). It also gives what a Mac's speed follows: each step's launches
 (mlxllama.step_cost) and the host's time to build and queue it, and the weights each engine holds.
@@ -35,6 +39,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxllama import bench, load
+from mlxllama.cache import grown_size
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import PREFILL_CHUNK
 from mlxllama.step_cost import launches
@@ -90,6 +95,7 @@ class MlxLm:
         mx.eval(self.model.parameters())
         self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
         self.vocab = config.vocab_size
+        self.config = config
 
     def feed(self, cache, ids: mx.array) -> mx.array:
         for start in range(0, ids.shape[1], PREFILL_CHUNK):
@@ -109,6 +115,13 @@ class MlxLm:
         cache = self.make_cache()
         if depth:
             self.feed(cache, random_ids(self.vocab, batch, depth, seed))
+        return cache
+
+    def filled(self, batch: int, depth: int, n_gen: int, dtype: mx.Dtype) -> list:
+        """A cache holding `depth` random keys and values in each of `batch` rows (random_kv)."""
+        cache = self.make_cache()
+        for layer, (keys, values) in zip(cache, random_kv(self.config, batch, depth, n_gen, dtype, len(cache))):
+            layer.keys, layer.values, layer.offset = keys, values, depth  # mlx-lm's KVCache, as it grows
         return cache
 
     def time_generation(self, cache: list, batch: int, n_gen: int, seed: int, depth: int, host: list[tuple],
@@ -140,6 +153,28 @@ class MlxLm:
         return counted
 
 
+def random_kv(config, batch: int, depth: int, n_gen: int, dtype: mx.Dtype, layers: int):
+    """Each layer's random keys and values [batch, kv_heads, capacity, head_dim], `capacity` a
+    growth step's multiple with room for the run's n_gen + 1 positions past `depth`, so that neither
+    engine grows (copies) its buffers while timed."""
+    capacity = grown_size(depth + n_gen + 1)
+    shape = (batch, config.n_kv_heads, capacity, config.head_dim)
+    for _ in range(layers):
+        keys, values = mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
+        mx.eval(keys, values)
+        yield keys, values
+
+
+def filled_ours(runtime, batch: int, depth: int, n_gen: int) -> list:
+    """Our cache holding `depth` random keys and values in each of `batch` rows, as a prompt cache
+    restores one."""
+    cache = runtime.model.make_cache()
+    for layer, (keys, values) in zip(cache, random_kv(runtime.config, batch, depth, n_gen,
+                                                      runtime.model.compute_dtype, len(cache))):
+        layer.restore(keys, values, 0, depth)
+    return cache
+
+
 def random_ids(vocab: int, batch: int, length: int, seed: int) -> mx.array:
     return mx.random.randint(0, vocab, (batch, length), key=mx.random.key(seed))
 
@@ -162,6 +197,8 @@ def main():
     parser.add_argument("--batches", default="1,8,16")
     parser.add_argument("--depths", default="0,4096,8192")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                        help="how the caches reach each depth: prefilled ids, or random keys and values")
     parser.add_argument("--no-generate-step", action="store_true",
                         help="mlx-lm's one sequence through the loop of its batches, not generate_step (whose host"
                              " time cannot be split from outside)")
@@ -187,10 +224,14 @@ def main():
             timers = {"ours": lambda seed: args.n_prompt / bench.time_prompt(runtime, args.n_prompt, seed),
                       "mlx-lm": lambda seed: args.n_prompt / theirs.time_prompt(args.n_prompt, seed)}
         else:  # each engine's cache is filled to the depth once, and cut back to it after every run
-            ours_cache = runtime.model.make_cache()
-            if depth:
-                bench.feed(runtime, ours_cache, bench.random_ids(runtime, batch, depth, 0))
-            theirs_cache = theirs.prefilled(batch, depth)
+            if args.fill == "random":
+                ours_cache = filled_ours(runtime, batch, depth, args.n_gen)
+                theirs_cache = theirs.filled(batch, depth, args.n_gen, runtime.model.compute_dtype)
+            else:
+                ours_cache = runtime.model.make_cache()
+                if depth:
+                    bench.feed(runtime, ours_cache, bench.random_ids(runtime, batch, depth, 0))
+                theirs_cache = theirs.prefilled(batch, depth)
             timers = {
                 "ours": lambda seed: batch * args.n_gen / bench.time_generation(
                     runtime, batch, args.n_gen, seed, depth, host["ours"], ours_cache),
@@ -218,7 +259,7 @@ def main():
         if args.json:  # after every test, so that a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": bench.device_name(), "mlx": mx.__version__, "model": args.model,
-                           "rounds": args.rounds, "ours_weight_bytes": ours_bytes,
+                           "context": runtime.config.context_length, "fill": args.fill, "rounds": args.rounds, "ours_weight_bytes": ours_bytes,
                            "mlx_lm_weight_bytes": theirs.weight_bytes, "rows": rows}, f, indent=1)
 
     print(f"device: {bench.device_name()}, MLX {mx.__version__}, {args.rounds} rounds; weights held: ours "

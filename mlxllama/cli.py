@@ -596,7 +596,7 @@ def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_op
 @main.command("bench")
 @model_option
 @click.option("--synthetic", metavar="NAME",
-              help="Benchmark a generated file with a published model's exact layout (tinyllama-1.1b, qwen3-0.6b, llama-3-8b), written to"
+              help="Benchmark a generated file with a model's exact layout (tinyllama-1.1b, qwen3-0.6b, llama-3-8b, chat-tiny), written to"
                    " --model if given (an existing file there is reused), else to a temporary file.")
 @click.option("--quant", default="Q4_K_M", show_default=True, help="Quantization mix of --synthetic.")
 @click.option("--n-prompt", "-p", default=512, show_default=True, help="Prompt tokens for pp (0 skips it).")

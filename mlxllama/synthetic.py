@@ -7,7 +7,8 @@ TinyLlama uses, taken from the bundled demo model). "qwen3-0.6b" is Qwen3-0.6B's
 the output and so Q6_K) with that tokenizer padded by unused pieces to Qwen's 151,936: the table
 and output product are the real model's size, though its text is not Qwen's. "llama-3-8b" is
 Meta-Llama-3-8B's layout (32 layers of 4096, GQA 32/8, FFN 14336, 128,256 tokens padded the same
-way), a file of 4.6 GiB for measuring several GPUs. The weights are
+way), a file of 4.6 GiB for measuring several GPUs. "chat-tiny" is the layout of this project's
+chat-tiny fixture (14 MB), for measuring on a CPU at depths its 512 positions do not reach. The weights are
 random bytes whose float16 scale fields are set to small normal values, so every block is valid
 and activations stay finite: the file measures speed and memory, not quality. llama.cpp loads
 it like the real one.
@@ -53,6 +54,8 @@ SHAPES = {
     "qwen3-0.6b": Shape(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, ffn=3072, vocab=151936,
                         context=40960, rope_base=1e6, rms_eps=1e-6, architecture="qwen3", head_dim=128,
                         qk_norm=True, tied_output=True),
+    "chat-tiny": Shape(n_layers=6, hidden=256, n_heads=8, n_kv_heads=2, ffn=768, vocab=32000, context=512,
+                       rope_base=10000.0, rms_eps=1e-5),
     "llama-3-8b": Shape(n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256,
                         context=8192, rope_base=500000.0, rms_eps=1e-5),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from importlib.resources import files
 
 import numpy as np
@@ -13,7 +14,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 import mlxllama
 from mlx.utils import tree_flatten
 
+from conftest import find_fixture_model
 from mlxllama import synthetic
+from mlxllama.gguf_file import open_gguf, tensor_shape
 from mlxllama.cli import main
 from mlxllama.cli_options import default_model_path
 
@@ -110,6 +113,19 @@ def test_llama3_8b_layout_is_the_published_q4_k_m():
     assert sum(int(np.prod(s)) for s, _ in layout.values()) == 8_030_261_248  # Llama 3 8B's parameters
     size = sum(np.prod(s) // GGML_QUANT_SIZES[t][0] * GGML_QUANT_SIZES[t][1] for s, t in layout.values())
     assert size == 4_912_898_048
+
+
+def test_chat_tiny_layout_is_the_fixtures_and_its_file_loads_for_a_longer_context(tmp_path):
+    """"chat-tiny": the chat-tiny fixture's tensors (names, shapes) and configuration, with random
+    weights, in a file written for 16k positions, which the fixture's 512 do not allow."""
+    fixture = find_fixture_model("chat-tiny-Q4_K_M.gguf")
+    layout = synthetic.tensor_types(synthetic.SHAPES["chat-tiny"])
+    shapes = {name: tensor_shape(t) for name, t in open_gguf(fixture).tensors.items()}
+    assert {name: shape for name, (shape, _) in layout.items()} == shapes
+    path = tmp_path / "chat-tiny-16k.gguf"
+    synthetic.write(path, "chat-tiny", context=16384)
+    runtime = mlxllama.load(path, context_length=16384)
+    assert runtime.config == replace(mlxllama.load(fixture).config, context_length=16384)
 
 
 def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):

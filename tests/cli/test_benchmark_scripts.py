@@ -141,6 +141,28 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
     assert "| tg4 | 2 | 8 |" in table
 
 
+def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run():
+    # --fill random: every layer of both engines' caches at the depth, and a timed run neither grows
+    # a buffer (a copy of the cache, off the step's true cost) nor leaves the depth behind.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import versus_mlx_lm
+
+    import mlxllama
+    from mlxllama import bench
+
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    theirs = versus_mlx_lm.MlxLm(runtime.config, runtime.model.compute_dtype)
+    ours_cache = versus_mlx_lm.filled_ours(runtime, 2, 300, 8)
+    theirs_cache = theirs.filled(2, 300, 8, runtime.model.compute_dtype)
+    for cache in (ours_cache, theirs_cache):
+        assert len(cache) == 6 and {(layer.offset, layer.keys.shape) for layer in cache} == {(300, (2, 2, 512, 32))}
+    buffers = [(layer.keys, layer.values) for layer in ours_cache + theirs_cache]
+    bench.time_generation(runtime, 2, 8, 0, 300, [], ours_cache)
+    theirs.time_generation(theirs_cache, 2, 8, 0, 300, [])
+    for layer, (keys, values) in zip(ours_cache + theirs_cache, buffers):
+        assert layer.offset == 300 and layer.keys is keys and layer.values is values
+
+
 def test_versus_mlx_lm_refuses_depths_past_the_context_in_one_line(tmp_path):
     # chat-tiny's context is 512: the default depths (to 8,192) do not fit it, nor does a truncated file load.
     truncated = tmp_path / "truncated.gguf"
