@@ -21,8 +21,9 @@
 // - paired scales: each group's scale and bias loaded as one 4-byte pair (Scales);
 // - loads only, words streamed: the bytes alone, the first with the products' loads (with the
 //   scales and biases, paired, or the words alone), the second by a plain streaming loop.
-// Every variant's outputs are compared with the first's (the largest difference over the largest
-// output): 0 where the sums run in the same order.
+// Each variant that computes the products has its outputs compared with the first's (the largest
+// difference over the largest output): 0 where the sums run in the same order. The others write
+// no outputs, and show 0.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cstdint>
