@@ -141,10 +141,10 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
     assert "| tg4 | 2 | 8 |" in table
 
 
-def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run():
+def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run(monkeypatch):
     # --fill random: every layer of both engines' caches at the depth, and a timed run neither grows
     # a buffer (a copy of the cache, off the step's true cost) nor leaves the depth behind.
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import versus_mlx_lm
 
     import mlxllama
