@@ -597,7 +597,8 @@ def engine_process_spec(model_path, draft_model, lookup, draft_tokens, engine_op
 @model_option
 @click.option("--synthetic", metavar="NAME",
               help="Benchmark a generated file with a model's exact layout (tinyllama-1.1b, qwen3-0.6b, llama-3-8b, chat-tiny), written to"
-                   " --model if given (an existing file there is reused), else to a temporary file.")
+                   " --model if given (an existing file there is reused), else to a temporary file; written for a"
+                   " longer context than the model's where --depth needs one.")
 @click.option("--quant", default="Q4_K_M", show_default=True, help="Quantization mix of --synthetic.")
 @click.option("--n-prompt", "-p", default=512, show_default=True, help="Prompt tokens for pp (0 skips it).")
 @click.option("--n-gen", "-n", default=128, show_default=True, help="Generated tokens for tg (0 skips it).")
@@ -640,7 +641,11 @@ def bench_command(model_path, synthetic, quant, n_prompt, n_gen, batches, repeti
             # Under mlx.launch each rank writes its own scratch copy; a file named by -m, rank 0
             # alone while the others wait.
             if not os.path.exists(model_path) and (in_scratch or world().is_root):
-                synthetic_models.write(model_path, synthetic, quant)
+                # Written for the deepest test where the model's own context is too short for it
+                # (random weights do not mind).
+                positions = max(depth_list) + max(n_prompt, n_gen + 1)
+                synthetic_models.write(model_path, synthetic, quant,
+                                       context=synthetic_models.context_for(synthetic, positions))
             if not in_scratch:
                 barrier()
         report = bench.run(model_path or default_model_path(), n_prompt, n_gen, batch_sizes, repetitions,

@@ -115,6 +115,13 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: QT) -
     return data.reshape(rows, -1)
 
 
+def context_for(model: str, positions: int) -> int | None:
+    """The context to write a file of `model` for, so that it holds `positions`: None (the model's
+    own) where that already does."""
+    shape = SHAPES.get(model)
+    return positions if shape is not None and positions > shape.context else None
+
+
 def write(path: str | os.PathLike, model: str = "tinyllama-1.1b", quant: str = "Q4_K_M", seed: int = 0,
           context: int | None = None) -> None:
     """The file of a published model's layout, with random weights; a `context` other than the

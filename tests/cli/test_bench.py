@@ -128,6 +128,16 @@ def test_chat_tiny_layout_is_the_fixtures_and_its_file_loads_for_a_longer_contex
     assert runtime.config == replace(mlxllama.load(fixture).config, context_length=16384)
 
 
+def test_bench_writes_a_synthetic_file_for_the_deepest_test(tmp_path):
+    # chat-tiny's own context is 512: a depth of 600 gets a file written for 600 + tg4's 5 positions.
+    assert synthetic.context_for("chat-tiny", 512) is None and synthetic.context_for("chat-tiny", 605) == 605
+    assert synthetic.context_for("no-such-model", 10**6) is None  # write names the unknown model
+    path = tmp_path / "deep.gguf"
+    report = run_bench("--synthetic", "chat-tiny", "-m", str(path), "-p", "0", "-d", "0,600")
+    assert [(t["name"], t["depth"]) for t in report["tests"]] == [("tg4", 0), ("tg4 @ d600", 600)]
+    assert mlxllama.load(path).config.context_length == 605
+
+
 def test_synthetic_file_loads_and_generates(tmp_path, monkeypatch):
     """A scaled-down shape through the same writer: the file is valid GGUF and runs in both modes."""
     small = synthetic.Shape(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=32000, context=256,
