@@ -123,12 +123,7 @@ struct Unit {
       const int g = lane + 32 * (first + b);
       if (g < groups) {
         float x[GROUP];
-        const float4* xg = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
-#pragma unroll
-        for (int i = 0; i < GROUP / 4; ++i) {
-          const float4 v = xg[i];
-          x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
-        }
+        staged_group(smem, g, x);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           float dot = 0.0f;

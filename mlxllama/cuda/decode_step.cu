@@ -184,6 +184,16 @@ __device__ inline float field(const uint32_t* words, int j) {
   return small_float(v & ((1u << BITS) - 1));
 }
 
+// Group g of the staged input in registers, in four-value loads.
+__device__ inline void staged_group(const float* smem, int g, float (&x)[GROUP]) {
+  const float4* xg = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
+#pragma unroll
+  for (int i = 0; i < GROUP / 4; ++i) {
+    const float4 v = xg[i];
+    x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
+  }
+}
+
 // out[r] = row rows[r] of an affine matrix with K columns times the staged input, for R rows at
 // once, in every lane. A lane takes groups lane, lane + 32, ...; it loads the words, scales and
 // biases of up to BATCH of its groups for all R rows (8 groups in all) before it computes, so
@@ -222,12 +232,7 @@ __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, co
       const int g = lane + 32 * (base + b);
       if (base + b < per_lane && g < groups) {
         float x[GROUP];
-        const float4* xg = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
-#pragma unroll
-        for (int i = 0; i < GROUP / 4; ++i) {
-          const float4 v = xg[i];
-          x[4 * i] = v.x, x[4 * i + 1] = v.y, x[4 * i + 2] = v.z, x[4 * i + 3] = v.w;
-        }
+        staged_group(smem, g, x);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           float dot = 0.0f;
