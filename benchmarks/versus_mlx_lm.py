@@ -94,7 +94,6 @@ class MlxLm:
         nn.quantize(self.model, group_size=64, bits=4)
         mx.eval(self.model.parameters())
         self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
-        self.vocab = config.vocab_size
         self.config = config
 
     def feed(self, cache, ids: mx.array) -> mx.array:
@@ -104,7 +103,7 @@ class MlxLm:
         return logits[:, -1]
 
     def time_prompt(self, n_prompt: int, seed: int) -> float:
-        ids = random_ids(self.vocab, 1, n_prompt, seed)
+        ids = random_ids(self.config.vocab_size, 1, n_prompt, seed)
         cache = self.make_cache()
         start = time.perf_counter()
         self.feed(cache, ids)
@@ -114,7 +113,7 @@ class MlxLm:
         """A cache holding `depth` random ids of each of `batch` rows."""
         cache = self.make_cache()
         if depth:
-            self.feed(cache, random_ids(self.vocab, batch, depth, seed))
+            self.feed(cache, random_ids(self.config.vocab_size, batch, depth, seed))
         return cache
 
     def filled(self, batch: int, depth: int, n_gen: int, dtype: mx.Dtype) -> list:
@@ -128,7 +127,7 @@ class MlxLm:
                         generate_step: bool = True) -> float:
         """As bench.time_generation, on a cache holding `depth` positions, cut back to them afterwards;
         one sequence through generate_step unless told otherwise."""
-        ids = random_ids(self.vocab, batch, 1, seed)
+        ids = random_ids(self.config.vocab_size, batch, 1, seed)
         if batch == 1 and generate_step:  # mlx-lm's own loop: it feeds the id, then decodes one token ahead of the host
             tokens = self.generate_step(ids[0], self.model, max_tokens=n_gen + 1, prompt_cache=cache)
             next(tokens)
@@ -144,7 +143,7 @@ class MlxLm:
         return seconds
 
     def step_launches(self, cache: list, batch: int, depth: int) -> int:
-        token = mx.argmax(self.feed(cache, random_ids(self.vocab, batch, 1, 0)), axis=-1)[:, None]
+        token = mx.argmax(self.feed(cache, random_ids(self.config.vocab_size, batch, 1, 0)), axis=-1)[:, None]
         buffers = [a for c in cache for a in c.state if isinstance(a, mx.array)]  # (keys, values, offset)
         outputs = [mx.argmax(self.model(token, cache=cache)[:, -1], axis=-1)] + buffers
         counted = sum(launches(outputs).values())
