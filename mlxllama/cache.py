@@ -298,7 +298,9 @@ class SlidingKVCache(KVCache):
         new = keys.shape[2]
         keys, values = self._stored(keys, values)
         start = self._start_after(new)
-        if self.keys is None or start != self._start:
+        # Rebuilt also where the window has not passed the first slot yet, but the new positions
+        # are more than the room left (a prefill chunk, when the window is wider than it and GROWTH_STEP).
+        if self.keys is None or start != self._start or self.offset + new - start > capacity(self.keys):
             self._rebuild(start, keys, values, new)
         slot = self.offset - self._start
         write(self.keys, slot, keys)

@@ -84,3 +84,14 @@ def test_the_prompt_cache_restores_a_window_cache_only_where_it_holds_what_a_que
     # float32 with TF32 off, these differ by up to 0.023 (an H100; which attention path rounds so is
     # not located); a restore missing positions moves them by whole units.
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=5e-2 if on_cuda() else 1e-4)
+
+
+def test_a_wide_window_takes_prefill_chunks_longer_than_the_room_left():
+    """A window wider than a prefill chunk and the room a buffer keeps (Gemma 3 4B's 1,024 against
+    chunks of 512): the second chunk finds the first slot still in the window, and the buffer grows."""
+    cache = SlidingKVCache(1024)
+    keys = mx.array(np.arange(3 * 512 * 4, dtype=np.float32).reshape(1, 1, 3 * 512, 4))
+    for first in range(0, 3 * 512, 512):
+        got, _ = cache.update_and_fetch(keys[:, :, first : first + 512], keys[:, :, first : first + 512])
+    assert cache.offset == 3 * 512 and cache.start == 1  # the third chunk's first query, 1,024, sees 1 on
+    assert mx.array_equal(got, keys[:, :, cache.start :])
