@@ -13,7 +13,9 @@ Ways to store the keys (`--keys`, any of):
               rounding of MLX's quantized products elsewhere: 23.67 against 23.93 on Gemma 3 270M)
   full        not quantized
   8           8 bits in groups along the head
-  tokens      4 bits in groups of 32 positions along each channel (KIVI's per-channel keys)
+  tokens      4 bits in groups of 32 positions along each channel (KIVI's per-channel keys), each
+              write's keys grouped from its own first position; the cache that stores keys so,
+              in blocks of fixed positions, is `--kv-keys-by-channel`
   scaled      each channel divided by the square root of its largest magnitude in the first
               pass's keys before 4 bits along the head, and multiplied back after (a SmoothQuant-like
               per-channel scale, computed once a cache)
@@ -96,7 +98,7 @@ def storing(way: str):
             if not hasattr(cache, "channel_mean"):
                 cache.channel_mean = keys.astype(mx.float32).mean(axis=2, keepdims=True).astype(keys.dtype)
             stored_keys = round_trip(keys - cache.channel_mean, 4, quantization.group_size) + cache.channel_mean
-        return stored_keys, stored_values
+        return stored_keys, stored_values, cache.offset
 
     return stored
 

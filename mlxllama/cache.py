@@ -16,6 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 GROWTH_STEP = 256
+# Keys stored by channel (KVQuantization.keys_by_channel) are quantized in blocks of this many
+# slots, each channel of a block with a scale and bias of its own, as KIVI quantizes keys. It
+# divides GROWTH_STEP, so a growing buffer always holds whole blocks.
+CHANNEL_BLOCK = 32
 
 
 def grown_size(slots: int) -> int:
@@ -35,12 +39,19 @@ class KVQuantization:
     --kv-bits stores them; keys at `key_bits` where set (llama.cpp's -ctk beside -ctv: 4-bit keys
     lose far more than 4-bit values, docs/benchmarks.md). A cache holds its first `start` positions
     at full precision, and quantizes them with the rest once it holds more (mlx-lm's
-    --quantized-kv-start)."""
+    --quantized-kv-start).
+
+    With `keys_by_channel`, keys are grouped along positions instead of along the head: each
+    channel of a block of CHANNEL_BLOCK slots has its own scale and bias (KIVI). A key's outlying
+    channels then no longer set the step of its other channels' codes, which is where 4-bit keys
+    lose (docs/benchmarks.md, "Quantized KV cache"). A block is requantized whole while it fills,
+    from full-precision copies of its keys that the cache keeps (KVCache's open block)."""
 
     bits: int
     group_size: int | None = None  # None: 64 (mlx-lm's), or 32 for heads of 64 values or fewer
     start: int = 0
     key_bits: int | None = None  # None: `bits`
+    keys_by_channel: bool = False
 
     BITS = (4, 8)
     GROUP_SIZES = (32, 64, 128)
@@ -65,7 +76,7 @@ class KVQuantization:
         group_size = self.group_size or (64 if head_dim >= 128 and head_dim % 64 == 0 else 32)
         if group_size not in self.GROUP_SIZES:
             raise MlxLlamaError(f"--kv-group-size must be 32, 64 or 128, not {group_size}")
-        if head_dim % group_size:
+        if head_dim % group_size:  # so heads are whole CHANNEL_BLOCKs too, as keys by channel need
             raise MlxLlamaError(f"--kv-group-size {group_size} does not divide the model's head size {head_dim}")
         return replace(self, group_size=group_size, key_bits=None if self.bits_of_keys == self.bits else self.key_bits)
 
@@ -75,19 +86,56 @@ class KVQuantization:
         return quantized or held > self.start
 
     def encode(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
-        """Keys and values as the cache stores them."""
-        return (tuple(mx.quantize(keys, self.group_size, self.bits_of_keys)),
-                tuple(mx.quantize(values, self.group_size, self.bits)))
+        """Keys and values as the cache stores them; keys by channel from a block's first slot on,
+        in whole blocks (channel_blocks)."""
+        if self.keys_by_channel:
+            stored_keys = channel_blocks(keys, self.bits_of_keys)
+        else:
+            stored_keys = tuple(mx.quantize(keys, self.group_size, self.bits_of_keys))
+        return stored_keys, tuple(mx.quantize(values, self.group_size, self.bits))
 
     def decode(self, keys: tuple, values: tuple) -> tuple[mx.array, mx.array]:
-        """The keys and values `encode` stored, dequantized."""
-        return (mx.dequantize(*keys, group_size=self.group_size, bits=self.bits_of_keys),
-                mx.dequantize(*values, group_size=self.group_size, bits=self.bits))
+        """The keys and values `encode` stored, dequantized (keys by channel: as many as the values)."""
+        values = mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
+        if self.keys_by_channel:
+            return channel_blocks_decoded(keys, self.bits_of_keys)[:, :, : values.shape[2]], values
+        return mx.dequantize(*keys, group_size=self.group_size, bits=self.bits_of_keys), values
 
     def bytes_per_value(self, dtype: mx.Dtype) -> float:
         """Storage of one key or value element, on average: its bits, and its group's scale and bias
-        in `dtype`."""
-        return (self.bits_of_keys + self.bits) / 16 + 2 * dtype.size / self.group_size
+        in `dtype` (keys by channel: a scale and bias a channel of CHANNEL_BLOCK slots)."""
+        key_group = CHANNEL_BLOCK if self.keys_by_channel else self.group_size
+        return (self.bits_of_keys + self.bits) / 16 + dtype.size / key_group + dtype.size / self.group_size
+
+
+def channel_blocks(keys: mx.array, bits: int) -> tuple:
+    """Keys [batch, kv_heads, n, head_dim] quantized in blocks of CHANNEL_BLOCK positions, one
+    group a channel of a block; a last partial block is filled out with its last key. Laid out
+    with slots on axis 2, as any buffer: a block's codes ([head_dim, CHANNEL_BLOCK positions]) and
+    its head_dim scales and biases spread over its CHANNEL_BLOCK slots, which hold exactly what
+    those slots hold in groups of CHANNEL_BLOCK along the head."""
+    batch, heads, n, head_dim = keys.shape
+    fill = -n % CHANNEL_BLOCK
+    if fill:
+        keys = mx.concatenate([keys, mx.repeat(keys[:, :, -1:], fill, axis=2)], axis=2)
+    blocks = (n + fill) // CHANNEL_BLOCK
+    by_channel = keys.reshape(batch, heads, blocks, CHANNEL_BLOCK, head_dim).swapaxes(3, 4)
+    return tuple(a.reshape(batch, heads, n + fill, -1) for a in mx.quantize(by_channel, CHANNEL_BLOCK, bits))
+
+
+def channel_blocks_decoded(keys: tuple, bits: int) -> mx.array:
+    """Keys [batch, kv_heads, slots, head_dim] from channel_blocks' buffer of whole blocks."""
+    codes, scales, biases = keys
+    batch, heads, slots, _ = codes.shape
+    blocks, head_dim = slots // CHANNEL_BLOCK, scales.shape[-1] * CHANNEL_BLOCK
+    per_channel = [a.reshape(batch, heads, blocks, head_dim, -1) for a in (codes, scales, biases)]
+    by_channel = mx.dequantize(*per_channel, group_size=CHANNEL_BLOCK, bits=bits)
+    return by_channel.swapaxes(3, 4).reshape(batch, heads, slots, head_dim)
+
+
+def whole_blocks(slots: int) -> int:
+    """The slots of the blocks that hold slots 0 .. slots - 1."""
+    return -(-slots // CHANNEL_BLOCK) * CHANNEL_BLOCK
 
 
 def kv_label(quantization: KVQuantization | None) -> str:
@@ -95,6 +143,7 @@ def kv_label(quantization: KVQuantization | None) -> str:
     if quantization is None:
         return "unquantized"
     keys = f" --kv-key-bits {quantization.key_bits}" if quantization.key_bits else ""
+    keys += " --kv-keys-by-channel" if quantization.keys_by_channel else ""
     return (f"--kv-bits {quantization.bits}{keys} --kv-group-size {quantization.group_size}"
             f" --quantized-kv-start {quantization.start}")
 
@@ -181,6 +230,12 @@ class KVCache:
         # Number of positions filled; also the RoPE position of the next token.
         self.offset = 0
         self.quantization = quantization
+        # Keys by channel (KVQuantization.keys_by_channel): full-precision copies of the keys from
+        # position _open_from (a block's first) on, of the last block, not yet full, which each write
+        # stores again with its new keys, and of the full block before it, so that trimming a few
+        # positions (speculative decoding's rejected drafts) leaves the copies of what is kept.
+        self._open: mx.array | None = None
+        self._open_from = 0
 
     @property
     def quantized(self) -> bool:
@@ -191,14 +246,59 @@ class KVCache:
         """Whether the buffers hold quantized keys and values once `new` more positions are appended."""
         return self.quantization is not None and self.quantization.applies(self.quantized, self.offset + new)
 
-    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+    @property
+    def keys_by_channel(self) -> bool:
+        """Whether the keys are stored by channel, in whole blocks (KVQuantization.keys_by_channel)."""
+        return self.quantized and self.quantization.keys_by_channel
+
+    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer, int]:
         """New keys and values [batch, kv_heads, new, head_dim] as the buffers will store them once
-        they are appended (stores_quantized), the buffers held so far quantized first when that starts now."""
+        they are appended (stores_quantized), the buffers held so far quantized first when that
+        starts now; and the position the stored keys start at: the next one, but for keys by
+        channel, which store the last block again whole, its earlier keys with the new ones."""
         if not self.stores_quantized(keys.shape[2]):
-            return keys, values
+            return keys, values, self.offset
         if not self.quantized and self.keys is not None:
+            if self.quantization.keys_by_channel:
+                first = max(self.start, self.offset - self.offset % CHANNEL_BLOCK - CHANNEL_BLOCK)
+                held = slot_range(self.keys, first - self.start, self.offset - self.start)
+                self._open, self._open_from = (held if self.offset > first else None), first
             self.keys, self.values = self.quantization.encode(self.keys, self.values)
-        return self.quantization.encode(keys, values)
+        if not self.quantization.keys_by_channel:
+            return *self.quantization.encode(keys, values), self.offset
+        if self._open is not None:
+            keys = mx.concatenate([self._open, keys], axis=2)  # positions _open_from on
+        first, end = self.offset - self.offset % CHANNEL_BLOCK, self._open_from + keys.shape[2]
+        kept_from = max(self._open_from, end - end % CHANNEL_BLOCK - CHANNEL_BLOCK)
+        stored = self.quantization.encode(keys[:, :, first - self._open_from :], values)
+        self._open, self._open_from = keys[:, :, kept_from - self._open_from :], kept_from
+        return *stored, first
+
+    def _reopen(self, copies_kept: bool = True) -> None:
+        """Keys by channel, after trimming or restoring: the copies cut to the positions kept, or
+        where they no longer reach back to the block of the next position (or are gone:
+        `copies_kept` False), that block's keys as the buffer holds them (rounded once more when
+        the block is stored again)."""
+        if not self.keys_by_channel:
+            return
+        filled = self.offset % CHANNEL_BLOCK
+        first = self.offset - filled
+        if copies_kept and self._open_from <= first:
+            kept = self.offset - self._open_from
+            self._open = self._open[:, :, :kept] if kept else None
+            return
+        self._open_from = first
+        if not filled:
+            self._open = None
+            return
+        block = slot_range(self.keys, first - self.start, first - self.start + CHANNEL_BLOCK)
+        self._open = channel_blocks_decoded(block, self.quantization.bits_of_keys)[:, :, :filled]
+
+    def fetched(self, end: int) -> tuple[Buffer, Buffer]:
+        """The buffers' slots up to `end`: keys by channel to the end of its block (attention
+        decodes them and cuts them to the values', KVQuantization.decode)."""
+        key_end = whole_blocks(end) if self.keys_by_channel else end
+        return slot_range(self.keys, 0, key_end), slot_range(self.values, 0, end)
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         return causal_mask(length, self.offset, window)
@@ -206,20 +306,21 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
-        keys, values = self._stored(keys, values)
+        keys, values, keys_from = self._stored(keys, values)
         if self.keys is None or self.offset + new > capacity(self.keys):
             self._grow(keys, values, new)
-        write(self.keys, self.offset, keys)
+        write(self.keys, keys_from, keys)
         write(self.values, self.offset, values)
         self.offset += new
-        return slot_range(self.keys, 0, self.offset), slot_range(self.values, 0, self.offset)
+        return self.fetched(self.offset)
 
     def _grow(self, keys: Buffer, values: Buffer, new: int) -> None:
         size = grown_size(self.offset + new)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
-            write(grown_k, 0, slot_range(self.keys, 0, self.offset))
-            write(grown_v, 0, slot_range(self.values, 0, self.offset))
+            held_keys, held_values = self.fetched(self.offset)
+            write(grown_k, 0, held_keys)
+            write(grown_v, 0, held_values)
         self.keys, self.values = grown_k, grown_v
 
     def make_room(self, new: int) -> None:
@@ -234,6 +335,7 @@ class KVCache:
     def trim(self, n: int) -> None:
         """Forget the last n positions (the storage is kept and overwritten later)."""
         self.offset = max(0, self.offset - n)
+        self._reopen()
 
     @property
     def start(self) -> int:
@@ -248,6 +350,7 @@ class KVCache:
         """Hold positions up to `length`, given as buffers laid out as this kind of cache lays
         them out when its `start` is `start` (the state a prompt cache keeps and gives back)."""
         self.keys, self.values, self.offset = keys, values, length
+        self._reopen(copies_kept=False)
 
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         """The positions the buffers hold and the slot each is in, in order of position."""
@@ -255,7 +358,8 @@ class KVCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for buffer in (self.keys, self.values) if buffer is not None for a in kv_arrays(buffer)]
+        buffers = (self.keys, self.values, self._open)
+        return [a for buffer in buffers if buffer is not None for a in kv_arrays(buffer)]
 
 
 class SlidingKVCache(KVCache):
@@ -282,10 +386,14 @@ class SlidingKVCache(KVCache):
         return length <= self.offset and keeps_window(self._start, self.window, length)
 
     def _start_after(self, new: int) -> int:
-        """The position in the first slot once `new` more positions are appended."""
+        """The position in the first slot once `new` more positions are appended (with keys by
+        channel, a whole number of blocks on: the blocks stay whole)."""
         if self.keys is None or self.offset - self._start + new <= capacity(self.keys):
             return self._start
-        return max(self._start, self.offset - (self.window - 1))
+        start = max(self._start, self.offset - (self.window - 1))
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            start -= (start - self._start) % CHANNEL_BLOCK
+        return start
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         start = self._start_after(length)
@@ -296,33 +404,35 @@ class SlidingKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
-        keys, values = self._stored(keys, values)
+        keys, values, keys_from = self._stored(keys, values)
         start = self._start_after(new)
         # Rebuilt also where the window has not passed the first slot yet, but the new positions
         # are more than the room left (a prefill chunk, when the window is wider than it and GROWTH_STEP).
         if self.keys is None or start != self._start or self.offset + new - start > capacity(self.keys):
             self._rebuild(start, keys, values, new)
-        slot = self.offset - self._start
-        write(self.keys, slot, keys)
-        write(self.values, slot, values)
+        write(self.keys, keys_from - self._start, keys)
+        write(self.values, self.offset - self._start, values)
         self.offset += new
-        end = self.offset - self._start
-        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
+        return self.fetched(self.offset - self._start)
 
     def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions start .. offset - 1 of the old one and room for `new` + GROWTH_STEP more."""
         kept = self.offset - start
         size = kept + new + GROWTH_STEP
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            size = whole_blocks(size)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and kept:
             first = start - self._start
-            write(grown_k, 0, slot_range(self.keys, first, first + kept))
-            write(grown_v, 0, slot_range(self.values, first, first + kept))
+            held_keys, held_values = self.fetched(first + kept)
+            write(grown_k, 0, slot_range(held_keys, first, capacity(held_keys)))
+            write(grown_v, 0, slot_range(held_values, first, first + kept))
         self.keys, self.values, self._start = grown_k, grown_v, start
 
     def trim(self, n: int) -> None:
         """Forget the last n positions; the caller checks holds() first where it matters."""
         self.offset = max(self._start, self.offset - n)
+        self._reopen()
 
     def slots(self, start: int, length: int) -> int:
         return length - start
@@ -332,7 +442,8 @@ class SlidingKVCache(KVCache):
 
     def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
         """Hold positions start .. length - 1, given as buffers whose slot 0 is `start`."""
-        self.keys, self.values, self._start, self.offset = keys, values, start, length
+        self._start = start
+        super().restore(keys, values, start, length)
 
 
 class RotatingKVCache(KVCache):
@@ -349,6 +460,7 @@ class RotatingKVCache(KVCache):
     """
 
     def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None):
+        refuse_keys_by_channel(quantization, "--max-kv-size")
         super().__init__(quantization)
         self.max_size, self.keep = max_size, keep
         self.window = max_size - keep
@@ -394,7 +506,7 @@ class RotatingKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
-        keys, values = self._stored(keys, values)
+        keys, values, _ = self._stored(keys, values)  # keys by channel it refuses: they start at offset
         start = self._start_after(new)
         if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.keys):
             self._rebuild(start, keys, values, new)
@@ -422,6 +534,14 @@ class RotatingKVCache(KVCache):
 
     def trim(self, n: int) -> None:
         self.offset = max(self.start, self.offset - n)
+
+
+def refuse_keys_by_channel(quantization: KVQuantization | None, what: str) -> None:
+    """A one-line error where a cache kind that does not keep keys by channel is asked to."""
+    from .errors import MlxLlamaError
+
+    if quantization is not None and quantization.keys_by_channel:
+        raise MlxLlamaError(f"--kv-keys-by-channel does not support {what} yet")
 
 
 def check_kv_size(max_kv_size: int, keep: int) -> None:
@@ -461,6 +581,7 @@ class BatchKVCache:
     """
 
     def __init__(self, quantization: KVQuantization | None = None):
+        refuse_keys_by_channel(quantization, "batches of rows (batch, serve, bench -b N > 1)")
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.lengths: list[int] = []

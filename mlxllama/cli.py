@@ -195,6 +195,10 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one template")
     if max_kv_size and (prompt_cache_file or truncate):
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache and --truncate")
+    if max_kv_size:
+        from .cache import refuse_keys_by_channel
+
+        refuse_keys_by_channel(kv_quantization_requested(), "--max-kv-size")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -351,6 +355,10 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     template = choose_template(runtime.chat_template, template_name, template_file)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
+    if max_kv_size:
+        from .cache import refuse_keys_by_channel
+
+        refuse_keys_by_channel(runtime.model.kv_quantization, "--max-kv-size")
     params = sampling_params(sampling)
     session = ChatSession(runtime, template, system, params, sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True),
@@ -421,7 +429,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
     """
     from .batch_jobs import BatchSettings, results_output, run_batch
-    from .cache import check_kv_size
+    from .cache import check_kv_size, refuse_keys_by_channel
     from .prompt import choose_template
 
     refuse_under_launch(prompt_cache=prompt_cache_file, draft_model=draft_model, lookup=lookup)
@@ -432,6 +440,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     check_kv_size(max_kv_size, keep)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
+    refuse_keys_by_channel(kv_quantization_requested(), "batch")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -519,7 +528,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     mlxllama serve -m model.gguf --port 8080
     curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
-    from .cache import check_kv_size
+    from .cache import check_kv_size, refuse_keys_by_channel
     from .prompt import choose_template
     from .server import DRAFT_ROOM, check_listen, default_engine, launch_without_cuda_graphs, serve
 
@@ -530,6 +539,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
 
     check_no_template(False, None, False, template_name, template_file)
     check_kv_size(max_kv_size, keep)
+    refuse_keys_by_channel(kv_quantization_requested(), "serve")
     refuse_under_launch(draft_model=draft_model, lookup=lookup)
     if engine_kind == "process" and launched():
         raise MlxLlamaError("--engine process is not supported under mlx.launch: a split model's engine runs in"

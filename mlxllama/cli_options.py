@@ -166,6 +166,11 @@ def kv_cache_options(f):
                      help="With --kv-bits: store the keys at this many bits instead (llama.cpp's -ctk beside -ctv):"
                           " --kv-bits 4 --kv-key-bits 8 holds about 0.41 of the float16 cache and loses far"
                           " less than 4-bit keys."),
+        click.option("--kv-keys-by-channel", is_flag=True, expose_value=False, callback=remember,
+                     help="With --kv-bits: quantize each channel of the keys over blocks of 32 positions (KIVI)"
+                          " instead of along the head; 4-bit keys then lose little (docs/benchmarks.md). One"
+                          " sequence at a time, on the plain step: not with --max-kv-size, prompt cache files,"
+                          " batch or serve."),
         click.option("--kv-group-size", type=int, default=None, metavar="N", expose_value=False, callback=remember,
                      help="With --kv-bits: values sharing one scale and bias (default 64, or 32 for heads of 64 or fewer)."),
         click.option("--quantized-kv-start", type=int, default=0, show_default=True, metavar="N", expose_value=False,
@@ -184,14 +189,15 @@ def kv_quantization_requested():
     meta = click.get_current_context().meta
     bits = meta.get("mlxllama.kv_bits")
     if bits is None:
-        defaults = (("kv-key-bits", None), ("kv-group-size", None), ("quantized-kv-start", 0))
+        defaults = (("kv-key-bits", None), ("kv-keys-by-channel", False), ("kv-group-size", None),
+                    ("quantized-kv-start", 0))
         given = [f"--{name}" for name, default in defaults
                  if meta.get(f"mlxllama.{name.replace('-', '_')}", default) != default]
         if given:
             raise MlxLlamaError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --kv-bits")
         return None
     return KVQuantization(bits, meta["mlxllama.kv_group_size"], meta["mlxllama.quantized_kv_start"],
-                          meta["mlxllama.kv_key_bits"])
+                          meta["mlxllama.kv_key_bits"], meta["mlxllama.kv_keys_by_channel"])
 
 
 def parallel_options(f):

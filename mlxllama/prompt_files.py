@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import Buffer, kv_arrays, kv_label, kv_map, kv_nbytes
+from .cache import Buffer, kv_arrays, kv_label, kv_map, kv_nbytes, refuse_keys_by_channel
 from .errors import MlxLlamaError, count
 from .files import replace_atomically
 from .generate import prefill
@@ -87,6 +87,7 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
     """Prefill `ids` and write their keys and values to `path` (atomically); the file's size."""
     if not ids:
         raise MlxLlamaError("the prefix to cache is empty")
+    refuse_keys_by_channel(runtime.model.kv_quantization, "prompt cache files")
     cache = runtime.model.make_cache(bounded=False)  # every position of every layer, sliding ones too
     prefill(runtime.model, ids, cache)
     arrays = {"ids": mx.array(ids, mx.int32)}
@@ -144,6 +145,7 @@ def prefix_ids(tokenizer: Tokenizer, template: Template, messages: list[dict], k
 
 def load(path: str, runtime, template: Template) -> SavedPrefix:
     """The prefix saved at `path`, checked against this run; a one-line error if it does not belong."""
+    refuse_keys_by_channel(runtime.model.kv_quantization, "prompt cache files")
     if not os.path.isfile(path):
         raise MlxLlamaError(f"{path}: no such file")
     try:

@@ -152,8 +152,9 @@ def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
     """Whether the kernels read and write a cache quantized so (decode_step.cu's QuantizedSlots and
     LayerCache): a lane's HEAD_DIM / 32 dims of a key and of a value in whole bytes. The group sizes
     KVQuantization allows (32 to 128, dividing the head) and head sizes the kernels take (multiples
-    of 32) need nothing more."""
-    return c.head_dim // 32 * min(quantization.bits, quantization.bits_of_keys) % 8 == 0
+    of 32) need nothing more. Keys stored by channel they do not read: the plain step does."""
+    return (not quantization.keys_by_channel
+            and c.head_dim // 32 * min(quantization.bits, quantization.bits_of_keys) % 8 == 0)
 
 
 def layer_shared_floats(c: ModelConfig) -> int:

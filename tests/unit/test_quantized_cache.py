@@ -1,5 +1,6 @@
-"""The quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): keys and values
-stored as MLX's affine quantization stores them and attended with its quantized products.
+"""The quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start, --kv-keys-by-channel):
+keys and values stored as MLX's affine quantization stores them and attended with its quantized
+products.
 
 The reference is one full pass whose keys and values are quantized and dequantized exactly as the
 cache stores them, attended the ordinary way: the cache must equal it within float rounding, in
@@ -18,8 +19,8 @@ import pytest
 
 import mlxllama
 from mlxllama.batching import BatchDecoder, Request, batch_generate
-from mlxllama.cache import (KVQuantization, RotatingKVCache, capacity, causal_mask, kv_bytes_per_position, kv_nbytes,
-                            visible)
+from mlxllama.cache import (CHANNEL_BLOCK, KVCache, KVQuantization, RotatingKVCache, SlidingKVCache, capacity,
+                            causal_mask, kv_bytes_per_position, kv_nbytes, visible)
 from mlxllama.errors import MlxLlamaError
 from mlxllama.prompt_cache import PromptCache
 
@@ -35,10 +36,10 @@ def runtime(name: str):
     return mlxllama.load(path)
 
 
-def quantized(name: str, bits: int, start: int = 0, key_bits: int | None = None):
+def quantized(name: str, bits: int, start: int = 0, key_bits: int | None = None, keys_by_channel: bool = False):
     """The model of `name`, its caches quantized so (the setting is restored by the fixture below)."""
     rt = runtime(name)
-    rt.model.store_kv_quantized(KVQuantization(bits, start=start, key_bits=key_bits))
+    rt.model.store_kv_quantized(KVQuantization(bits, start=start, key_bits=key_bits, keys_by_channel=keys_by_channel))
     return rt
 
 
@@ -268,3 +269,115 @@ def test_quantized_attention_matches_the_dequantized_product():
         got = explicit_attention(q, stored_k, stored_v, 0.125, mask, quantization)
         want = explicit_attention(q, back_k, back_v, 0.125, mask)
         assert float(mx.abs(got - want).max()) < 1e-5
+
+
+BY_CHANNEL = KVQuantization(4, 32, keys_by_channel=True)
+
+
+def random_heads(rng, positions: int, head_dim: int = 64) -> mx.array:
+    """Keys or values [1, 2, positions, head_dim], two of whose channels are 20 times the others, as
+    trained models' keys have outlying channels."""
+    scale = np.ones(head_dim, np.float32)
+    scale[[3, 40]] = 20
+    return mx.array(rng.normal(size=(1, 2, positions, head_dim)).astype(np.float32) * scale)
+
+
+def by_channel_round_trip(keys: mx.array) -> mx.array:
+    """keys as stored by channel in one go, from position 0 (whole blocks, the last filled out)."""
+    return BY_CHANNEL.decode(*BY_CHANNEL.encode(keys, keys))[0]
+
+
+def test_keys_by_channel_fed_in_any_pieces_equal_the_blocks_quantized_at_once():
+    """Each write stores the last block again, from the full-precision copies of its keys: however
+    the positions come, the cache holds what quantizing them all at once gives. Values are stored
+    along the head as ever."""
+    rng = np.random.default_rng(0)
+    keys, values = random_heads(rng, 200), random_heads(rng, 200)
+    cache, fed = KVCache(BY_CHANNEL), 0
+    for piece in (1, 5, 40, 1, 1, 30, 32, 64, 26):
+        got_k, got_v = cache.update_and_fetch(keys[:, :, fed : fed + piece], values[:, :, fed : fed + piece])
+        fed += piece
+        got_keys, got_values = BY_CHANNEL.decode(got_k, got_v)
+        assert cache.offset == fed and got_keys.shape[2] == got_values.shape[2] == fed
+        assert mx.array_equal(got_keys, by_channel_round_trip(keys[:, :, :fed]))
+        assert mx.array_equal(got_values, BY_CHANNEL.decode(*BY_CHANNEL.encode(keys, values[:, :, :fed]))[1])
+    # a key's scales and biases a channel of a block: where groups of 32 along the head put theirs
+    along_head = KVQuantization(4, 32).encode(keys, values)[0]
+    assert [a.shape[-1] for a in cache.keys] == [a.shape[-1] for a in along_head]
+    # grouped along the head, an outlying channel sets the step of its group's other codes
+    along_head = KVQuantization(4, 32).decode(*KVQuantization(4, 32).encode(keys, values))[0]
+    others = mx.array(np.delete(np.arange(64), [3, 40]))
+    head_error = float(mx.abs(along_head - keys)[..., others].mean())
+    assert float(mx.abs(by_channel_round_trip(keys) - keys)[..., others].mean()) < 0.3 * head_error  # 0.22
+
+
+def test_keys_by_channel_trimmed_within_two_blocks_continue_exactly_and_past_them_keep_earlier_blocks():
+    """The cache keeps full-precision copies of its last full block and the one it fills: trimmed
+    back into either (speculative decoding's rejected drafts), it stores the blocks again exactly
+    as if the trimmed positions had never come."""
+    rng = np.random.default_rng(1)
+    keys = random_heads(rng, 200)
+    cache = KVCache(BY_CHANNEL)
+    cache.update_and_fetch(keys[:, :, :90], keys[:, :, :90])
+    cache.trim(5)  # 85: in the block of 64 .. 95
+    cache.update_and_fetch(keys[:, :, 85:100], keys[:, :, 85:100])
+    cache.trim(30)  # 70: back across a block's end, into the full block before
+    got, _ = BY_CHANNEL.decode(*cache.update_and_fetch(keys[:, :, 70:130], keys[:, :, 70:130]))
+    assert mx.array_equal(got, by_channel_round_trip(keys[:, :, :130]))
+    before = BY_CHANNEL.decode(*cache.fetched(130))[0]
+    cache.trim(60)  # 70 again: 64 .. 95 is two blocks back now, filled again from its stored keys
+    got, _ = BY_CHANNEL.decode(*cache.update_and_fetch(keys[:, :, 70:200], keys[:, :, 70:200]))
+    assert mx.array_equal(got[:, :, :64], before[:, :, :64])
+    step = float(mx.abs(keys[:, :, 64:96]).max()) * 2 / 15  # a code's step in the widest channel
+    assert float(mx.abs(got[:, :, 64:] - by_channel_round_trip(keys)[:, :, 64:]).max()) <= step
+    assert not mx.array_equal(got[:, :, 64:96], by_channel_round_trip(keys)[:, :, 64:96])
+
+
+def test_a_sliding_window_keeps_whole_blocks_of_keys_by_channel():
+    """A sliding layer's cache moves what it keeps to its front a whole number of blocks at a time,
+    so that its keys by channel stay the blocks of their positions."""
+    rng = np.random.default_rng(2)
+    keys = random_heads(rng, 700)
+    cache, fed = SlidingKVCache(50, BY_CHANNEL), 0
+    for piece in (33, 1, 300, 1, 1, 250, 114):
+        got_k, got_v = cache.update_and_fetch(keys[:, :, fed : fed + piece], keys[:, :, fed : fed + piece])
+        fed += piece
+        got = BY_CHANNEL.decode(got_k, got_v)[0]
+        assert cache.start % CHANNEL_BLOCK == 0 and cache.start <= max(0, fed - piece - 49)
+        assert mx.array_equal(got, by_channel_round_trip(keys[:, :, :fed])[:, :, cache.start :])
+    assert cache.start > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_keys_by_channel_fed_a_block_at_a_time_equal_the_round_trip_pass(name):
+    """Fed whole blocks, a query sees its block as quantized whole, as the one-pass reference does
+    (fed fewer, it sees its block's keys so far, quantized as they stand)."""
+    rt = quantized(name, 4, keys_by_channel=True)
+    ids = rt.tokenize(TEXT)[:256]
+    kv = rt.model.make_cache()
+    got = chunked(rt, ids, CHANNEL_BLOCK * 2, kv)
+    assert all(layer.keys_by_channel and layer.offset == len(ids) for layer in kv)
+    want = reference(rt, ids, rt.model.kv_quantization)
+    assert_close(got, want)
+    along_head = reference(rt, ids, KVQuantization(4, rt.model.kv_quantization.group_size))
+    assert float(mx.abs(got - along_head).max()) > 5e-3 * float(mx.abs(want).max())
+
+
+def test_keys_by_channel_take_the_memory_of_groups_of_32_along_the_head():
+    rt = quantized("qwen3-tiny-Q4_K_M.gguf", 4, keys_by_channel=True)
+    kv = rt.model.make_cache()
+    chunked(rt, rt.tokenize(TEXT)[:300], 100, kv)
+    held = sum(kv_nbytes(layer.keys) + kv_nbytes(layer.values) for layer in kv)
+    per_position = kv_bytes_per_position(rt.config, rt.model.compute_dtype, rt.model.kv_quantization)
+    assert held == capacity(kv[0].keys) * per_position
+    size = rt.model.compute_dtype.size  # keys: a scale and bias every 32; values: every 64 (heads of 128)
+    full = kv_bytes_per_position(rt.config, rt.model.compute_dtype)
+    assert per_position / full == pytest.approx((0.5 + (2 * size / 32 + 2 * size / 64) / 2) / size)
+
+
+def test_keys_by_channel_are_refused_where_they_are_not_kept_yet():
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=True)
+    with pytest.raises(MlxLlamaError, match="^--kv-keys-by-channel does not support --max-kv-size yet$"):
+        rt.model.make_cache(max_kv_size=64, keep=4)
+    with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel does not support batches of rows \(batch,"):
+        rt.model.make_batch_cache()

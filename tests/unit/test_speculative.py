@@ -151,11 +151,15 @@ def test_the_cache_after_it_is_the_cache_of_a_run_that_never_drafted():
     assert float(mx.abs(a - b).max()) < 1e-4
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_cache_decodes_the_same_with_lookup_and_rolls_back_exactly(bits):
+@pytest.mark.parametrize("bits, by_channel", [(8, False), (4, False), (4, True)])
+def test_a_quantized_cache_decodes_the_same_with_lookup_and_rolls_back_exactly(bits, by_channel):
     """--kv-bits with speculation: the (k+1)-row check stores its keys quantized as single steps do,
-    rejected positions are trimmed from the quantized buffers, and the greedy ids are plain decoding's."""
-    rt = mlxllama.load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf", kv_quantization=KVQuantization(bits))
+    rejected positions are trimmed from the quantized buffers, and the greedy ids are plain decoding's.
+    Keys by channel: a check's query sees its block quantized with the drafts after it too (masked,
+    but in the block's scales and biases), so its logits differ a little from a single step's; the
+    ids are still plain decoding's here."""
+    rt = mlxllama.load(REPO_FIXTURES / "qwen2-tiny-Q8_0.gguf",
+                       kv_quantization=KVQuantization(bits, keys_by_channel=by_channel))
     ids = rt.tokenize("Once upon a time")
     plain_cache, spec_cache = rt.new_cache(), rt.new_cache()
     plain = list(generate_tokens(rt.model, plain_cache, ids, make_sampler(SamplingParams()), 50, ()))
