@@ -34,7 +34,8 @@
 #                                                 # 270M (when stashed), each beside llama-bench
 #   bash benchmarks/gpu.sh kv [ours|llama]        # there: pp512 and tg128 (1 and 16 sequences) at depth 0, 4096 and
 #                                                 # 8192 with the cache unquantized, --kv-bits 8, 4 and 4 with 8-bit
-#                                                 # keys (KV_SECONDS a run), then llama-bench -d with -ctk/-ctv f16,
+#                                                 # keys (KV_SECONDS a run; KV_RUNS="none 4 4c plain4" adds keys by
+#                                                 # channel and 4 bits on the plain step), then llama-bench -d with -ctk/-ctv f16,
 #                                                 # q8_0 and q4_0, on a 16k-context copy (no argument: both)
 #   bash benchmarks/gpu.sh depth [kernels|timeline|stamps|llama] # there: the kernels' tg128 at depth 0, 4096 and
 #                                                 # 8192, one sequence and 16, under other attention settings
@@ -387,11 +388,21 @@ kv_depth() {  # the quantized KV cache at depth through the kernels, side by sid
     [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
     # By default unquantized and 8-bit twice, interleaved (8-bit's target is a ratio to unquantized),
     # 4-bit and 8-bit keys with 4-bit values once (KV_RUNS: others); KV_SECONDS bounds each run.
+    # 4c: keys by channel, one sequence only (batches refuse them); plain4: 4 bits on the plain step
+    # (MLXLLAMA_CUDA_KERNELS=0), the step keys by channel take.
+    local batches env
     for run in $([ "$part" = llama ] || echo ${KV_RUNS:-none 8 4 k8v4 none 8}); do
-        case $run in none) flags= ;; k8v4) flags="--kv-bits 4 --kv-key-bits 8" ;; *) flags="--kv-bits $run" ;; esac
-        log "mlxllama bench -b 1,16 -d 0,4096,8192 $flags"
-        timeout "${KV_SECONDS:-150}" python3 -m mlxllama bench -m "$deep" -p 512 -n 128 -r 2 -b 1,16 -d 0,4096,8192 \
-            $flags --json > "$out/kv-$run.json.tmp" && cat "$out/kv-$run.json.tmp" >> "$out/kv-$run.jsonl"
+        batches=1,16 env=
+        case $run in
+            none) flags= ;;
+            k8v4) flags="--kv-bits 4 --kv-key-bits 8" ;;
+            4c) flags="--kv-bits 4 --kv-keys-by-channel" batches=1 ;;
+            plain4) flags="--kv-bits 4" batches=1 env=MLXLLAMA_CUDA_KERNELS=0 ;;
+            *) flags="--kv-bits $run" ;;
+        esac
+        log "$env mlxllama bench -b $batches -d 0,4096,8192 $flags"
+        env $env timeout "${KV_SECONDS:-150}" python3 -m mlxllama bench -m "$deep" -p 512 -n 128 -r 2 -b $batches \
+            -d 0,4096,8192 $flags --json > "$out/kv-$run.json.tmp" && cat "$out/kv-$run.json.tmp" >> "$out/kv-$run.jsonl"
         rm -f "$out/kv-$run.json.tmp"
         python3 -c "import json
 for line in open('$out/kv-$run.jsonl'): r = json.loads(line)
