@@ -207,6 +207,18 @@ def test_kv_key_grouping_names_an_unknown_way_in_one_line():
         "kv_key_grouping.py: error: --keys: no way named 'rows' (one of head, full, 8, tokens, scaled, centered, nvfp4, mxfp4)\n")
 
 
+def test_channel_keys_decode_times_two_decodings_of_the_same_keys():
+    """The script checks that the fused decoding gives the shipped one's keys to the bit before it
+    times them; patched in, perplexity with keys by channel is the shipped figure to the last digit."""
+    lines = run_script("benchmarks/channel_keys_decode.py", "--depth", "100", "--runs", "2").splitlines()
+    assert [line.split(":")[0] for line in lines] == ["shipped", "fused"]
+    assert all(" us a layer's keys at depth 100 on Device(" in line for line in lines)
+    model, corpus = find_fixture_model("chat-tiny-Q4_K_M.gguf"), REPO / "tests" / "fixtures" / "perplexity-corpus.txt"
+    patched = run_script("benchmarks/channel_keys_decode.py", "--patch", "perplexity", "-m", str(model), str(corpus),
+                         "--ctx", "512", "--kv-bits", "4", "--kv-keys-by-channel", "--json")
+    assert round(json.loads(patched)["ppl"], 4) == 12.9591  # tests/cli/test_kv_cache_cli.py's
+
+
 def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
     """The measurement behind holding Q6_K at 8 bits: on chat-tiny's Q6_K file the 6-bit form moves
     the mean KL to llama.cpp up and flips an argmax the parity tests hold (docs/benchmarks.md)."""
