@@ -4,7 +4,7 @@ KVCache grows in fixed steps, so a decode step never copies the whole cache; Sli
 only what a sliding-window layer can still attend to, so its memory stays bounded however long
 the sequence; RotatingKVCache bounds a full-attention layer's the same way; BatchKVCache holds rows
 of different lengths for batched decoding. Every kind can store its keys and values quantized
-(KVQuantization).
+(KVQuantization); the single sequence's kinds also keys grouped by channel (keys_by_channel).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class KVCache:
         if not self.quantized and self.keys is not None:
             if self.quantization.keys_by_channel:
                 first = max(self.start, self.offset - self.offset % CHANNEL_BLOCK - CHANNEL_BLOCK)
-                held = slot_range(self.keys, first - self.start, self.offset - self.start)
+                held = slot_range(self.keys, self.slot_of(first), self.slot_of(self.offset))
                 self._open, self._open_from = (held if self.offset > first else None), first
             self.keys, self.values = self.quantization.encode(self.keys, self.values)
         if not self.quantization.keys_by_channel:
@@ -291,7 +291,7 @@ class KVCache:
         if not filled:
             self._open = None
             return
-        block = slot_range(self.keys, first - self.start, first - self.start + CHANNEL_BLOCK)
+        block = slot_range(self.keys, self.slot_of(first), self.slot_of(first) + CHANNEL_BLOCK)
         self._open = channel_blocks_decoded(block, self.quantization.bits_of_keys)[:, :, :filled]
 
     def fetched(self, end: int) -> tuple[Buffer, Buffer]:
@@ -345,6 +345,10 @@ class KVCache:
     def slots(self, start: int, length: int) -> int:
         """How many buffer slots hold positions up to `length`, for a cache whose `start` was `start`."""
         return length
+
+    def slot_of(self, position: int) -> int:
+        """The slot that holds `position`."""
+        return position - self.start
 
     def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
         """Hold positions up to `length`, given as buffers laid out as this kind of cache lays
@@ -460,7 +464,7 @@ class RotatingKVCache(KVCache):
     """
 
     def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None):
-        refuse_keys_by_channel(quantization, "--max-kv-size")
+        check_kv_size(max_size, keep, quantization)
         super().__init__(quantization)
         self.max_size, self.keep = max_size, keep
         self.window = max_size - keep
@@ -477,6 +481,9 @@ class RotatingKVCache(KVCache):
     def slots(self, start: int, length: int) -> int:
         return length if start == 0 else self.keep + length - start
 
+    def slot_of(self, position: int) -> int:
+        return position if position < self.keep else self.keep + position - self._start
+
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         head = np.arange(min(self.keep, self.offset))
         rest = np.arange(max(self._start, self.keep), self.offset)
@@ -490,10 +497,14 @@ class RotatingKVCache(KVCache):
         return self.keep + self.offset + new - start
 
     def _start_after(self, new: int) -> int:
-        """The position in slot `keep` once `new` more positions are appended."""
+        """The position in slot `keep` once `new` more positions are appended (with keys by
+        channel, a whole number of blocks on: the blocks stay whole)."""
         if self.keys is None or self._slots_after(new, self._start) <= capacity(self.keys):
             return self._start
-        return max(self._start, self.offset - (self.window - 1))
+        start = max(self._start, self.offset - (self.window - 1))
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            start -= (start - self._start) % CHANNEL_BLOCK
+        return start
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         start = self._start_after(length)
@@ -506,34 +517,41 @@ class RotatingKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         new = keys.shape[2]
-        keys, values, _ = self._stored(keys, values)  # keys by channel it refuses: they start at offset
+        keys, values, keys_from = self._stored(keys, values)
         start = self._start_after(new)
         if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.keys):
             self._rebuild(start, keys, values, new)
-        slot = self.keep + self.offset - self._start
-        write(self.keys, slot, keys)
-        write(self.values, slot, values)
+        # Keys by channel start a block before the next position: in the same part of the buffer,
+        # since keep is whole blocks.
+        write(self.keys, self.slot_of(keys_from), keys)
+        write(self.values, self.slot_of(self.offset), values)
         self.offset += new
-        end = self.keep + self.offset - self._start
-        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
+        return self.fetched(self.keep + self.offset - self._start)
 
     def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions 0 .. keep - 1 and start .. offset - 1 of the old one, and room
-        for `new` + GROWTH_STEP more."""
+        for `new` + GROWTH_STEP more (keys by channel: whole blocks of each)."""
         size = self._slots_after(new, start) + GROWTH_STEP
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            size = whole_blocks(size)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
             head = min(self.keep, self.offset)
-            write(grown_k, 0, slot_range(self.keys, 0, head))
-            write(grown_v, 0, slot_range(self.values, 0, head))
+            self._copy(grown_k, grown_v, 0, 0, head)
             if self.offset > start:
-                first, kept = self.keep + start - self._start, self.offset - start
-                write(grown_k, self.keep, slot_range(self.keys, first, first + kept))
-                write(grown_v, self.keep, slot_range(self.values, first, first + kept))
+                self._copy(grown_k, grown_v, self.keep, self.keep + start - self._start, self.offset - start)
         self.keys, self.values, self._start = grown_k, grown_v, start
+
+    def _copy(self, keys: Buffer, values: Buffer, to: int, first: int, count: int) -> None:
+        """Slots first .. first + count - 1 of the buffers into `keys` and `values` from slot `to`
+        (keys by channel: the whole blocks that hold them)."""
+        held_keys, held_values = self.fetched(first + count)
+        write(keys, to, slot_range(held_keys, first, capacity(held_keys)))
+        write(values, to, slot_range(held_values, first, first + count))
 
     def trim(self, n: int) -> None:
         self.offset = max(self.start, self.offset - n)
+        self._reopen()
 
 
 def refuse_keys_by_channel(quantization: KVQuantization | None, what: str) -> None:
@@ -544,14 +562,18 @@ def refuse_keys_by_channel(quantization: KVQuantization | None, what: str) -> No
         raise MlxLlamaError(f"--kv-keys-by-channel does not support {what} yet")
 
 
-def check_kv_size(max_kv_size: int, keep: int) -> None:
-    """A rotating cache's bounds: keep >= 0 first positions, and room for more than them."""
+def check_kv_size(max_kv_size: int, keep: int, quantization: KVQuantization | None = None) -> None:
+    """A rotating cache's bounds: keep >= 0 first positions, and room for more than them; with keys
+    by channel, whole blocks of them (the window's blocks then start at a block's first slot)."""
     from .errors import MlxLlamaError
 
     if max_kv_size < 0:
         raise MlxLlamaError("--max-kv-size must be 0 (off) or positive")
     if max_kv_size and not 0 <= keep < max_kv_size - 1:
         raise MlxLlamaError(f"--max-kv-size {max_kv_size} must exceed --keep {keep} by at least 2")
+    if max_kv_size and quantization is not None and quantization.keys_by_channel and keep % CHANNEL_BLOCK:
+        raise MlxLlamaError(f"--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple of"
+                            f" {CHANNEL_BLOCK} (0, {CHANNEL_BLOCK}, {2 * CHANNEL_BLOCK}...), not {keep}")
 
 
 def rotates(cache) -> bool:

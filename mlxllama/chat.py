@@ -36,7 +36,7 @@ class ChatSession:
         self.notify = notify
         # A bounded KV cache (cache.RotatingKVCache) lets the conversation outgrow the context:
         # no turn is dropped, the cache keeps the first `keep` positions and the latest ones.
-        check_kv_size(max_kv_size, keep)
+        check_kv_size(max_kv_size, keep, runtime.model.kv_quantization)
         self.max_kv_size, self.keep = max_kv_size, keep
         self.speculation = speculation  # drafts the model checks, or None
         self.system = system

@@ -195,10 +195,6 @@ def generate(model_path, prompt_text, no_template, template_name, template_file,
         raise MlxLlamaError("--compare-template and --prompt-cache exclude each other: a cached prefix holds one template")
     if max_kv_size and (prompt_cache_file or truncate):
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache and --truncate")
-    if max_kv_size:
-        from .cache import refuse_keys_by_channel
-
-        refuse_keys_by_channel(kv_quantization_requested(), "--max-kv-size")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -355,10 +351,6 @@ def chat(model_path, template_name, template_file, template_kwargs, system, prom
     template = choose_template(runtime.chat_template, template_name, template_file)
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
-    if max_kv_size:
-        from .cache import refuse_keys_by_channel
-
-        refuse_keys_by_channel(runtime.model.kv_quantization, "--max-kv-size")
     params = sampling_params(sampling)
     session = ChatSession(runtime, template, system, params, sampling["max_tokens"],
                           sampling["stop"], kwargs, notify=lambda message: click.echo(f"[{message}]", err=True),

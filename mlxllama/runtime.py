@@ -117,7 +117,7 @@ class Runtime:
         distribution exactly. Sampling keywords (temperature=, top_k=, seed=… : the fields of
         SamplingParams) override `params`.
         """
-        check_kv_size(max_kv_size, keep)
+        check_kv_size(max_kv_size, keep, self.model.kv_quantization)
         params = params.with_overrides(**sampling)
         ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
         guide = Guide(constraint, self.tokenizer) if constraint is not None else None

@@ -47,7 +47,7 @@ def test_the_demo_model_answers_with_a_quantized_cache(bits):
     (["--kv-key-bits", "8"], "--kv-key-bits needs --kv-bits"),
     (["--kv-keys-by-channel"], "--kv-keys-by-channel needs --kv-bits"),
     (["--kv-bits", "4", "--kv-keys-by-channel", "--max-kv-size", "64"],
-     "--kv-keys-by-channel does not support --max-kv-size yet"),
+     "--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple of 32 (0, 32, 64...), not 4"),
     (["--kv-bits", "4", "--kv-keys-by-channel", "--prompt-cache", "missing.safetensors"],
      "--kv-keys-by-channel does not support prompt cache files yet"),
     (["--kv-bits", "4", "--kv-key-bits", "6"], "--kv-key-bits must be 4 or 8, not 6"),
@@ -91,13 +91,16 @@ def test_keys_by_channel_take_back_what_4_bit_keys_lose():
     assert perplexity("--kv-bits", "4", "--kv-keys-by-channel") == pytest.approx(12.9591, abs=1e-4)
 
 
-def test_keys_by_channel_answer_in_generate_chat_and_bench():
+def test_keys_by_channel_answer_in_generate_chat_and_bench_bounded_or_not():
     args = ("--kv-bits", "4", "--kv-keys-by-channel")
     assert generate("-p", "What is the capital of Japan?", *args)["text"] == "The capital of Japan is Tokyo."
     # the second turn continues the first's cache, cut and taken back between turns
     chat = run("chat", *args, input="What is the capital of Japan?\nWhat is the capital of Italy?\n")
     assert chat.exit_code == 0, chat.output
     assert "The capital of Japan is Tokyo." in chat.stdout and "The capital of Italy is Rome." in chat.stdout
+    # a window of 64 behind 32 kept positions, which a 170-token prompt and its reply pass
+    bounded = generate("--no-template", "-p", DOC, "-n", "24", "--max-kv-size", "96", "--keep", "32", *args)
+    assert len(bounded["prompt_ids"]) > 96 and len(bounded["token_ids"]) == 24
     report = json.loads(run("bench", "-p", "40", "-n", "4", "-d", "0,50", "-r", "1", *args, "--json").stdout)
     assert report["kv_cache"] == "--kv-bits 4 --kv-keys-by-channel --kv-group-size 32 --quantized-kv-start 0"
     # 6 layers x keys and values x 2 KV heads x 32 values, each half a byte and 2 x 4 / 32 of scale and bias

@@ -348,6 +348,35 @@ def test_a_sliding_window_keeps_whole_blocks_of_keys_by_channel():
     assert cache.start > 0
 
 
+@pytest.mark.parametrize("keep", [0, 32])
+def test_a_rotating_cache_keeps_whole_blocks_of_keys_by_channel(keep):
+    """The first `keep` positions (whole blocks) stay where they are; the window behind them drops
+    whole blocks, so its keys stay the blocks of their positions."""
+    rng = np.random.default_rng(3)
+    keys = random_heads(rng, 900)
+    cache, fed = RotatingKVCache(120, keep, BY_CHANNEL), 0
+    for piece in (33, 1, 300, 1, 1, 250, 114, 200):
+        got_k, got_v = cache.update_and_fetch(keys[:, :, fed : fed + piece], keys[:, :, fed : fed + piece])
+        fed += piece
+        got, once = BY_CHANNEL.decode(got_k, got_v)[0], by_channel_round_trip(keys[:, :, :fed])
+        positions, slots = cache.held()
+        assert cache.start % CHANNEL_BLOCK == 0 and got.shape[2] == slots[-1] + 1
+        assert mx.array_equal(got[:, :, mx.array(slots)], once[:, :, mx.array(positions)])
+    assert cache.start > keep + 400
+
+
+def test_a_rotating_cache_with_keys_by_channel_equals_the_masked_round_trip_pass():
+    rt = quantized("gemma3-tiny-Q8_0.gguf", 4, keys_by_channel=True)
+    ids = rt.tokenize(TEXT)[:512]
+    max_size, keep = 160, 32
+    kv = rt.model.make_cache(max_kv_size=max_size, keep=keep)
+    got = chunked(rt, ids, CHANNEL_BLOCK * 2, kv)
+    assert any(isinstance(layer, RotatingKVCache) and layer.keys_by_channel and layer.start > keep for layer in kv)
+    q, k = mx.arange(len(ids))[:, None], mx.arange(len(ids))[None, :]
+    kept = (k <= q) & ((k < keep) | (k > q - (max_size - keep)))
+    assert_close(got, reference(rt, ids, rt.model.kv_quantization, kept))
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_keys_by_channel_fed_a_block_at_a_time_equal_the_round_trip_pass(name):
     """Fed whole blocks, a query sees its block as quantized whole, as the one-pass reference does
@@ -375,9 +404,10 @@ def test_keys_by_channel_take_the_memory_of_groups_of_32_along_the_head():
     assert per_position / full == pytest.approx((0.5 + (2 * size / 32 + 2 * size / 64) / 2) / size)
 
 
-def test_keys_by_channel_are_refused_where_they_are_not_kept_yet():
+def test_keys_by_channel_are_refused_where_they_are_not_kept_yet_and_need_whole_blocks_kept():
     rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=True)
-    with pytest.raises(MlxLlamaError, match="^--kv-keys-by-channel does not support --max-kv-size yet$"):
+    with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple"
+                                            r" of 32 \(0, 32, 64...\), not 4$"):
         rt.model.make_cache(max_kv_size=64, keep=4)
     with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel does not support batches of rows \(batch,"):
         rt.model.make_batch_cache()
