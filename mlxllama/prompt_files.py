@@ -183,13 +183,13 @@ def _ids(path: str, arrays: dict) -> list[int]:
 def _layers(path: str, arrays: dict, runtime) -> list[tuple[Buffer, Buffer]]:
     """Each layer's keys and values, of the shapes this model's cache holds for the prefix."""
     config, n = runtime.config, arrays["ids"].size
-    expected = _stored_layout(runtime.model, n)
+    expected = {name: _stored_layout(runtime.model, n, name) for name in ("keys", "values")}
     layers = []
     for i in range(config.n_layers):
         pair = []
         for name in ("keys", "values"):
             parts = []
-            for suffix, shape, dtype in expected:
+            for suffix, shape, dtype in expected[name]:
                 key = f"layers.{i}.{name}{suffix}"
                 a = arrays.get(key)
                 if a is None or a.shape != shape or a.dtype != dtype:
@@ -197,17 +197,20 @@ def _layers(path: str, arrays: dict, runtime) -> list[tuple[Buffer, Buffer]]:
                 parts.append(a)
             pair.append(tuple(parts) if len(parts) > 1 else parts[0])
         layers.append(tuple(pair))
-    if len(arrays) != 1 + 2 * len(expected) * config.n_layers:
+    taken = (len(expected["keys"]) + len(expected["values"])) * config.n_layers
+    if len(arrays) != 1 + taken:
         raise MlxLlamaError(f"{path}: holds {len(arrays) - 1} layer arrays, the model's {config.n_layers} layers"
-                            f" take {2 * len(expected) * config.n_layers}")
+                            f" take {taken}")
     return layers
 
 
-def _stored_layout(model, n: int) -> list[tuple[str, tuple, mx.Dtype]]:
-    """The arrays a layer's keys (or values) of n positions are stored as: (name suffix, shape, dtype)."""
+def _stored_layout(model, n: int, name: str) -> list[tuple[str, tuple, mx.Dtype]]:
+    """The arrays a layer's keys or values (`name`) of n positions are stored as: (name suffix,
+    shape, dtype)."""
     c, dtype, q = model.config, model.compute_dtype, model.kv_quantization
     if q is None or n <= q.start:
         return [("", (1, c.n_kv_heads, n, c.head_dim), dtype)]
+    bits = q.bits_of_keys if name == "keys" else q.bits
     groups = (1, c.n_kv_heads, n, c.head_dim // q.group_size)
-    layouts = [((1, c.n_kv_heads, n, c.head_dim * q.bits // 32), mx.uint32), (groups, dtype), (groups, dtype)]
+    layouts = [((1, c.n_kv_heads, n, c.head_dim * bits // 32), mx.uint32), (groups, dtype), (groups, dtype)]
     return [(f".{part}", shape, dtype) for part, (shape, dtype) in zip(QUANTIZED_PARTS, layouts)]

@@ -132,6 +132,12 @@ def test_a_prompt_cache_file_keeps_the_quantized_cache_and_says_so(tmp_path):
     assert wider_keys.exit_code == 2 and wider_keys.stderr == (
         f"mlxllama: error: {path}: made with the KV cache '--kv-bits 4 --kv-group-size 32 --quantized-kv-start 0',"
         " this run has '--kv-bits 4 --kv-key-bits 8 --kv-group-size 32 --quantized-kv-start 0'\n")
+    # keys at their own width: saved and read back as they are stored
+    made = run("cache-prompt", "--no-template", "-p", DOC, "-o", path, "--kv-bits", "4", "--kv-key-bits", "8")
+    assert made.exit_code == 0, made.output
+    args = (*args, "--kv-key-bits", "8")
+    fresh, cached = generate(*args), generate(*args, "--prompt-cache", path)
+    assert cached["token_ids"] == fresh["token_ids"] and cached["cached_tokens"] > 100
 
 
 def test_batch_and_chat_take_the_options():
