@@ -307,7 +307,8 @@ class KVCache:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
         keys, values, keys_from = self._stored(keys, values)
-        if self.keys is None or self.offset + new > capacity(self.keys):
+        # The values' room decides: keys by channel may hold whole blocks past it (a file's prefix).
+        if self.keys is None or self.offset + new > capacity(self.values):
             self._grow(keys, values, new)
         write(self.keys, keys_from, keys)
         write(self.values, self.offset, values)
@@ -326,7 +327,7 @@ class KVCache:
     def make_room(self, new: int) -> None:
         """Make the buffers (already allocated) hold `new` more positions, for a step that writes
         them in place (the CUDA kernels: mlxllama.cuda) and then calls advance."""
-        if self.offset + new > capacity(self.keys):
+        if self.offset + new > capacity(self.values):
             self._grow(self.keys, self.values, new)
 
     def advance(self, new: int) -> None:
@@ -392,7 +393,7 @@ class SlidingKVCache(KVCache):
     def _start_after(self, new: int) -> int:
         """The position in the first slot once `new` more positions are appended (with keys by
         channel, a whole number of blocks on: the blocks stay whole)."""
-        if self.keys is None or self.offset - self._start + new <= capacity(self.keys):
+        if self.keys is None or self.offset - self._start + new <= capacity(self.values):
             return self._start
         start = max(self._start, self.offset - (self.window - 1))
         if self.quantization is not None and self.quantization.keys_by_channel:
@@ -412,7 +413,7 @@ class SlidingKVCache(KVCache):
         start = self._start_after(new)
         # Rebuilt also where the window has not passed the first slot yet, but the new positions
         # are more than the room left (a prefill chunk, when the window is wider than it and GROWTH_STEP).
-        if self.keys is None or start != self._start or self.offset + new - start > capacity(self.keys):
+        if self.keys is None or start != self._start or self.offset + new - start > capacity(self.values):
             self._rebuild(start, keys, values, new)
         write(self.keys, keys_from - self._start, keys)
         write(self.values, self.offset - self._start, values)
@@ -499,7 +500,7 @@ class RotatingKVCache(KVCache):
     def _start_after(self, new: int) -> int:
         """The position in slot `keep` once `new` more positions are appended (with keys by
         channel, a whole number of blocks on: the blocks stay whole)."""
-        if self.keys is None or self._slots_after(new, self._start) <= capacity(self.keys):
+        if self.keys is None or self._slots_after(new, self._start) <= capacity(self.values):
             return self._start
         start = max(self._start, self.offset - (self.window - 1))
         if self.quantization is not None and self.quantization.keys_by_channel:
@@ -519,7 +520,7 @@ class RotatingKVCache(KVCache):
         new = keys.shape[2]
         keys, values, keys_from = self._stored(keys, values)
         start = self._start_after(new)
-        if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.keys):
+        if self.keys is None or start != self._start or self._slots_after(new, start) > capacity(self.values):
             self._rebuild(start, keys, values, new)
         # Keys by channel start a block before the next position: in the same part of the buffer,
         # since keep is whole blocks.

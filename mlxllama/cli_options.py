@@ -169,8 +169,8 @@ def kv_cache_options(f):
         click.option("--kv-keys-by-channel", is_flag=True, expose_value=False, callback=remember,
                      help="With --kv-bits: quantize each channel of the keys over blocks of 32 positions (KIVI)"
                           " instead of along the head; 4-bit keys then lose little (docs/benchmarks.md). One"
-                          " sequence at a time, on the plain step: not with prompt cache files, batch or serve;"
-                          " with --max-kv-size, --keep must be a multiple of 32."),
+                          " sequence at a time, on the plain step: not in batch or serve; with --max-kv-size,"
+                          " --keep must be a multiple of 32."),
         click.option("--kv-group-size", type=int, default=None, metavar="N", expose_value=False, callback=remember,
                      help="With --kv-bits: values sharing one scale and bias (default 64, or 32 for heads of 64 or fewer)."),
         click.option("--quantized-kv-start", type=int, default=0, show_default=True, metavar="N", expose_value=False,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range
+from .cache import Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range, whole_blocks
 
 
 @dataclass
@@ -69,14 +69,16 @@ class PromptCache:
         _fill(cache, entry, length, lambda a, end: slot_range(a, 0, end))
         return cache
 
-    def store(self, ids: Sequence[int], layers: Sequence[tuple[Buffer, Buffer]]) -> None:
+    def store(self, ids: Sequence[int], layers: Sequence[tuple[Buffer, Buffer]], copy: bool = True) -> None:
         """Keep the keys and values of `ids` ([1, kv_heads, >= len(ids), head_dim] a layer, copied
-        here); an entry whose ids this one extends is replaced by it."""
+        here, or as they are where they are the prefix's own arrays: `copy` False, a file's); an
+        entry whose ids this one extends is replaced by it."""
         ids = tuple(ids)
-        copies = [tuple(kv_map(lambda a: mx.contiguous(a[:, :, : len(ids)]), buffer) for buffer in layer)
-                  for layer in layers]
-        mx.eval(copies)
-        self._add(ids, copies)
+        if copy:
+            layers = [tuple(kv_map(lambda a: mx.contiguous(a[:, :, : len(ids)]), buffer) for buffer in layer)
+                      for layer in layers]
+            mx.eval(layers)
+        self._add(ids, list(layers))
 
     def take(self, ids: Sequence[int], model, max_kv_size: int = 0, keep: int = 0) -> tuple[list[KVCache], int]:
         """A cache to continue `ids` from: the entry sharing the longest prefix with them, taken
@@ -115,7 +117,8 @@ def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
     the buffer a layer takes: a view of the entry's, or the entry's own)."""
     for layer, (keys, values), start in zip(cache, entry.layers, entry.starts):
         slots = layer.slots(start, length)
-        layer.restore(cut(keys, slots), cut(values, slots), start, length)
+        by_channel = isinstance(keys, tuple) and layer.quantization.keys_by_channel
+        layer.restore(cut(keys, whole_blocks(slots) if by_channel else slots), cut(values, slots), start, length)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import Buffer, kv_arrays, kv_label, kv_map, kv_nbytes, refuse_keys_by_channel
+from .cache import CHANNEL_BLOCK, Buffer, kv_arrays, kv_label, kv_map, kv_nbytes, whole_blocks
 from .errors import MlxLlamaError, count
 from .files import replace_atomically
 from .generate import prefill
@@ -87,13 +87,14 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
     """Prefill `ids` and write their keys and values to `path` (atomically); the file's size."""
     if not ids:
         raise MlxLlamaError("the prefix to cache is empty")
-    refuse_keys_by_channel(runtime.model.kv_quantization, "prompt cache files")
     cache = runtime.model.make_cache(bounded=False)  # every position of every layer, sliding ones too
     prefill(runtime.model, ids, cache)
     arrays = {"ids": mx.array(ids, mx.int32)}
     for i, layer in enumerate(cache):
-        for name, buffer in (("keys", layer.keys), ("values", layer.values)):
-            parts = kv_arrays(kv_map(lambda a: mx.contiguous(a[..., : len(ids), :]), buffer))
+        # keys by channel: the whole blocks that hold the prefix
+        key_slots = whole_blocks(len(ids)) if layer.keys_by_channel else len(ids)
+        for name, buffer, slots in (("keys", layer.keys, key_slots), ("values", layer.values, len(ids))):
+            parts = kv_arrays(kv_map(lambda a: mx.contiguous(a[..., :slots, :]), buffer))
             names = [f"layers.{i}.{name}"] if len(parts) == 1 else [f"layers.{i}.{name}.{p}" for p in QUANTIZED_PARTS]
             arrays.update(zip(names, parts))
     mx.eval(list(arrays.values()))
@@ -120,7 +121,7 @@ class SavedPrefix:
         """A prompt cache holding the prefix (`into`, or one just large enough), for generate, chat
         and batch to take it from."""
         store = into or PromptCache(sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.layers))
-        store.store(self.ids, self.layers)
+        store.store(self.ids, self.layers, copy=False)
         return store
 
 
@@ -145,7 +146,6 @@ def prefix_ids(tokenizer: Tokenizer, template: Template, messages: list[dict], k
 
 def load(path: str, runtime, template: Template) -> SavedPrefix:
     """The prefix saved at `path`, checked against this run; a one-line error if it does not belong."""
-    refuse_keys_by_channel(runtime.model.kv_quantization, "prompt cache files")
     if not os.path.isfile(path):
         raise MlxLlamaError(f"{path}: no such file")
     try:
@@ -211,6 +211,10 @@ def _stored_layout(model, n: int, name: str) -> list[tuple[str, tuple, mx.Dtype]
     if q is None or n <= q.start:
         return [("", (1, c.n_kv_heads, n, c.head_dim), dtype)]
     bits = q.bits_of_keys if name == "keys" else q.bits
-    groups = (1, c.n_kv_heads, n, c.head_dim // q.group_size)
+    if name == "keys" and q.keys_by_channel:  # whole blocks, a scale and bias a channel of each
+        n, group_size = whole_blocks(n), CHANNEL_BLOCK
+    else:
+        group_size = q.group_size
+    groups = (1, c.n_kv_heads, n, c.head_dim // group_size)
     layouts = [((1, c.n_kv_heads, n, c.head_dim * bits // 32), mx.uint32), (groups, dtype), (groups, dtype)]
     return [(f".{part}", shape, dtype) for part, (shape, dtype) in zip(QUANTIZED_PARTS, layouts)]

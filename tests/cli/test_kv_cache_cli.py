@@ -48,8 +48,6 @@ def test_the_demo_model_answers_with_a_quantized_cache(bits):
     (["--kv-keys-by-channel"], "--kv-keys-by-channel needs --kv-bits"),
     (["--kv-bits", "4", "--kv-keys-by-channel", "--max-kv-size", "64"],
      "--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple of 32 (0, 32, 64...), not 4"),
-    (["--kv-bits", "4", "--kv-keys-by-channel", "--prompt-cache", "missing.safetensors"],
-     "--kv-keys-by-channel does not support prompt cache files yet"),
     (["--kv-bits", "4", "--kv-key-bits", "6"], "--kv-key-bits must be 4 or 8, not 6"),
 ])
 def test_settings_mlx_cannot_quantize_with_are_one_line_errors(args, message):
@@ -107,13 +105,34 @@ def test_keys_by_channel_answer_in_generate_chat_and_bench_bounded_or_not():
     assert report["kv_bytes_per_position"] == 6 * 2 * 2 * 32 * 0.75
 
 
-@pytest.mark.parametrize("command", ["batch", "serve", "cache-prompt"])
-def test_keys_by_channel_are_refused_in_one_line_where_not_kept_yet(command, tmp_path):
-    args = {"batch": ["-"], "serve": ["--port", "0"], "cache-prompt": ["-p", DOC, "-o", tmp_path / "doc.safetensors"]}
-    result = run(command, *args[command], "--kv-bits", "4", "--kv-keys-by-channel", input="Hi\n")
-    what = {"batch": "batch", "serve": "serve", "cache-prompt": "prompt cache files"}[command]
-    assert result.exit_code == 2 and result.stderr == f"mlxllama: error: --kv-keys-by-channel does not support {what} yet\n"
-    assert not (tmp_path / "doc.safetensors").exists()
+@pytest.mark.parametrize("command", ["batch", "serve"])
+def test_keys_by_channel_are_refused_in_one_line_where_not_kept_yet(command):
+    result = run(command, *{"batch": ["-"], "serve": ["--port", "0"]}[command], "--kv-bits", "4",
+                 "--kv-keys-by-channel", input="Hi\n")
+    assert result.exit_code == 2 and result.stderr == (
+        f"mlxllama: error: --kv-keys-by-channel does not support {command} yet\n")
+
+
+def test_a_prompt_cache_file_keeps_keys_by_channel_in_whole_blocks(tmp_path):
+    """The file holds the whole blocks of the prefix's keys (169 positions: 6 blocks); generate and
+    chat take the prefix from it and go on past it."""
+    import mlx.core as mx
+
+    path, by_channel = tmp_path / "doc.safetensors", ("--kv-bits", "4", "--kv-keys-by-channel")
+    made = run("cache-prompt", "--no-template", "-p", DOC, "-o", path, *by_channel)
+    assert made.exit_code == 0, made.output
+    saved = mx.load(str(path))
+    assert saved["layers.0.keys.packed"].shape[2] == 192 and saved["layers.0.keys.scales"].shape[2] == 192
+    assert saved["layers.0.values.packed"].shape[2] == saved["ids"].size == 169
+    args = ("--no-template", "-p", DOC + "The capital of", "-n", "6", *by_channel)
+    fresh, cached = generate(*args), generate(*args, "--prompt-cache", path)
+    assert cached["token_ids"] == fresh["token_ids"] and cached["cached_tokens"] == 169
+    system = tmp_path / "system.safetensors"
+    assert run("cache-prompt", "--system", DOC, "-o", system, *by_channel).exit_code == 0
+    chat = run("chat", "--system", DOC, "--prompt-cache", system, *by_channel, input="What is the capital of Japan?\n")
+    assert chat.exit_code == 0 and "Tokyo" in chat.stdout, chat.output
+    along_head = run("generate", "--no-template", "-p", DOC, "--prompt-cache", path, "--kv-bits", "4")
+    assert along_head.exit_code == 2 and "made with the KV cache '--kv-bits 4 --kv-keys-by-channel" in along_head.stderr
 
 
 def test_a_prompt_cache_file_keeps_the_quantized_cache_and_says_so(tmp_path):
