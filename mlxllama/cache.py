@@ -351,11 +351,20 @@ class KVCache:
         """The slot that holds `position`."""
         return position - self.start
 
-    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
+    @property
+    def copies(self) -> tuple:
+        """Keys by channel: the full-precision copies of the last blocks' keys and the position they
+        start from, which restore takes back; else ()."""
+        return (self._open, self._open_from) if self.keys_by_channel else ()
+
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int, copies: tuple = ()) -> None:
         """Hold positions up to `length`, given as buffers laid out as this kind of cache lays
-        them out when its `start` is `start` (the state a prompt cache keeps and gives back)."""
+        them out when its `start` is `start` (the state a prompt cache keeps and gives back), and
+        keys by channel's `copies` where they were kept with them."""
         self.keys, self.values, self.offset = keys, values, length
-        self._reopen(copies_kept=False)
+        if copies:
+            self._open, self._open_from = copies
+        self._reopen(copies_kept=bool(copies))
 
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         """The positions the buffers hold and the slot each is in, in order of position."""
@@ -445,10 +454,10 @@ class SlidingKVCache(KVCache):
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(self._start, self.offset), np.arange(self.offset - self._start)
 
-    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int, copies: tuple = ()) -> None:
         """Hold positions start .. length - 1, given as buffers whose slot 0 is `start`."""
         self._start = start
-        super().restore(keys, values, start, length)
+        super().restore(keys, values, start, length, copies)
 
 
 class RotatingKVCache(KVCache):
@@ -490,9 +499,9 @@ class RotatingKVCache(KVCache):
         rest = np.arange(max(self._start, self.keep), self.offset)
         return np.concatenate([head, rest]), np.concatenate([head, self.keep + rest - self._start])
 
-    def restore(self, keys: Buffer, values: Buffer, start: int, length: int) -> None:
-        self.keys, self.values, self.offset = keys, values, length
+    def restore(self, keys: Buffer, values: Buffer, start: int, length: int, copies: tuple = ()) -> None:
         self._start = start or self.keep
+        super().restore(keys, values, start, length, copies)
 
     def _slots_after(self, new: int, start: int) -> int:
         return self.keep + self.offset + new - start

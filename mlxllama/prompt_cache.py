@@ -30,6 +30,8 @@ class Entry:
     used: int = field(default=0)
     starts: tuple[int, ...] = ()
     windows: tuple[int, ...] = ()
+    # a cache put here as it was: each layer's KVCache.copies (keys by channel), given back on take
+    copies: tuple[tuple, ...] = ()
 
     def holds(self, length: int, bounded: bool) -> bool:
         """Whether its first `length` positions can be restored into a cache (bounded: sliding
@@ -89,17 +91,18 @@ class PromptCache:
         if entry is None:
             return cache, 0
         self.entries.remove(entry)
-        _fill(cache, entry, length, lambda a, end: a)
+        _fill(cache, entry, length, lambda a, end: a, entry.copies)
         return cache, length
 
     def put(self, ids: Sequence[int], cache: Sequence[KVCache]) -> None:
         """Keep a cache its owner is done with for now, as it is (no copy), holding the first
         `cache[0].offset` of `ids`."""
         self._add(tuple(ids[: cache[0].offset]), [(layer.keys, layer.values) for layer in cache],
-                  tuple(layer.start for layer in cache), tuple(layer.window for layer in cache))
+                  tuple(layer.start for layer in cache), tuple(layer.window for layer in cache),
+                  tuple(layer.copies for layer in cache))
 
     def _add(self, ids: tuple[int, ...], layers: list[tuple[Buffer, Buffer]], starts: tuple[int, ...] = (),
-             windows: tuple[int, ...] = ()) -> None:
+             windows: tuple[int, ...] = (), copies: tuple[tuple, ...] = ()) -> None:
         """A new entry, replacing those whose ids it extends; then the least recently used go
         while the store is over its bound."""
         nbytes = sum(kv_nbytes(k) + kv_nbytes(v) for k, v in layers)
@@ -107,18 +110,20 @@ class PromptCache:
             return
         self.entries = [e for e in self.entries if e.ids != ids[: len(e.ids)]]
         self.entries.append(Entry(ids, layers, nbytes, next(self._clock), starts or (0,) * len(layers),
-                                  windows or (0,) * len(layers)))
+                                  windows or (0,) * len(layers), copies))
         while self.nbytes > self.max_bytes:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
 
 
-def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
+def _fill(cache: list[KVCache], entry: Entry, length: int, cut, copies: tuple[tuple, ...] = ()) -> None:
     """Give each layer of a fresh cache the entry's positions up to `length` (cut(buffer, slots) gives
-    the buffer a layer takes: a view of the entry's, or the entry's own)."""
-    for layer, (keys, values), start in zip(cache, entry.layers, entry.starts):
+    the buffer a layer takes: a view of the entry's, or the entry's own), and the `copies` a taken
+    entry kept."""
+    for i, (layer, (keys, values), start) in enumerate(zip(cache, entry.layers, entry.starts)):
         slots = layer.slots(start, length)
         by_channel = isinstance(keys, tuple) and layer.quantization.keys_by_channel
-        layer.restore(cut(keys, whole_blocks(slots) if by_channel else slots), cut(values, slots), start, length)
+        layer.restore(cut(keys, whole_blocks(slots) if by_channel else slots), cut(values, slots), start, length,
+                      copies[i] if copies else ())
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:

@@ -96,6 +96,9 @@ def test_keys_by_channel_answer_in_generate_chat_and_bench_bounded_or_not():
     chat = run("chat", *args, input="What is the capital of Japan?\nWhat is the capital of Italy?\n")
     assert chat.exit_code == 0, chat.output
     assert "The capital of Japan is Tokyo." in chat.stdout and "The capital of Italy is Rome." in chat.stdout
+    bounded_chat = run("chat", *args, "--max-kv-size", "256", "--keep", "32",
+                       input="What is the capital of Japan?\nWhat is the capital of Italy?\n")
+    assert "The capital of Japan is Tokyo." in bounded_chat.stdout and "The capital of Italy is Rome." in bounded_chat.stdout
     # a window of 64 behind 32 kept positions, which a 170-token prompt and its reply pass
     bounded = generate("--no-template", "-p", DOC, "-n", "24", "--max-kv-size", "96", "--keep", "32", *args)
     assert len(bounded["prompt_ids"]) > 96 and len(bounded["token_ids"]) == 24

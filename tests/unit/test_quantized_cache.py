@@ -333,6 +333,31 @@ def test_keys_by_channel_trimmed_within_two_blocks_continue_exactly_and_past_the
     assert not mx.array_equal(got[:, :, 64:96], by_channel_round_trip(keys)[:, :, 64:96])
 
 
+@pytest.mark.parametrize("kind", [KVCache, lambda q: RotatingKVCache(64, 32, q)])
+def test_the_prompt_store_gives_keys_by_channel_back_with_their_copies(kind):
+    """A chat puts its cache in the store between turns and takes it back: the copies of the last
+    blocks' keys go and come back with it, so the next turn stores its blocks as if the cache had
+    never left (a rotating cache's restore too)."""
+
+    class Model:
+        def make_cache(self, max_kv_size=0, keep=0):
+            return [kind(BY_CHANNEL)]
+
+    rng = np.random.default_rng(4)
+    keys = random_heads(rng, 200)
+    first = kind(BY_CHANNEL)
+    first.update_and_fetch(keys[:, :, :90], keys[:, :, :90])
+    went = first.copies
+    store, ids = PromptCache(1 << 24), list(range(200))
+    store.put(ids[:90], [first])
+    (back,), held = store.take(ids[:91], Model())
+    assert held == 90 and back.copies[1] == went[1] and mx.array_equal(back.copies[0], went[0])
+    alone = kind(BY_CHANNEL)
+    want = BY_CHANNEL.decode(*alone.update_and_fetch(keys[:, :, :130], keys[:, :, :130]))[0]
+    got = BY_CHANNEL.decode(*back.update_and_fetch(keys[:, :, 90:130], keys[:, :, 90:130]))[0]
+    assert mx.array_equal(got, want)
+
+
 def test_a_sliding_window_keeps_whole_blocks_of_keys_by_channel():
     """A sliding layer's cache moves what it keeps to its front a whole number of blocks at a time,
     so that its keys by channel stay the blocks of their positions."""
