@@ -133,9 +133,9 @@ def channel_blocks_decoded(keys: tuple, bits: int) -> mx.array:
     return by_channel.swapaxes(3, 4).reshape(batch, heads, slots, head_dim)
 
 
-def whole_blocks(slots: int) -> int:
+def whole_blocks(slots: int, block: int = CHANNEL_BLOCK) -> int:
     """The slots of the blocks that hold slots 0 .. slots - 1."""
-    return -(-slots // CHANNEL_BLOCK) * CHANNEL_BLOCK
+    return -(-slots // block) * block
 
 
 def kv_label(quantization: KVQuantization | None) -> str:
@@ -251,6 +251,12 @@ class KVCache:
         """Whether the keys are stored by channel, in whole blocks (KVQuantization.keys_by_channel)."""
         return self.quantized and self.quantization.keys_by_channel
 
+    @property
+    def block(self) -> int:
+        """The slots a buffer is laid out, moved and copied by: CHANNEL_BLOCK where keys are (or will
+        be) stored by channel, else 1."""
+        return CHANNEL_BLOCK if self.quantization is not None and self.quantization.keys_by_channel else 1
+
     def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer, int]:
         """New keys and values [batch, kv_heads, new, head_dim] as the buffers will store them once
         they are appended (stores_quantized), the buffers held so far quantized first when that
@@ -319,10 +325,15 @@ class KVCache:
         size = grown_size(self.offset + new)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
-            held_keys, held_values = self.fetched(self.offset)
-            write(grown_k, 0, held_keys)
-            write(grown_v, 0, held_values)
+            self._copy(grown_k, grown_v, 0, 0, self.offset)
         self.keys, self.values = grown_k, grown_v
+
+    def _copy(self, keys: Buffer, values: Buffer, to: int, first: int, count: int) -> None:
+        """Slots first .. first + count - 1 of the buffers into `keys` and `values` from slot `to`
+        (keys by channel: the whole blocks that hold them)."""
+        held_keys, held_values = self.fetched(first + count)
+        write(keys, to, slot_range(held_keys, first, capacity(held_keys)))
+        write(values, to, slot_range(held_values, first, first + count))
 
     def make_room(self, new: int) -> None:
         """Make the buffers (already allocated) hold `new` more positions, for a step that writes
@@ -405,9 +416,7 @@ class SlidingKVCache(KVCache):
         if self.keys is None or self.offset - self._start + new <= capacity(self.values):
             return self._start
         start = max(self._start, self.offset - (self.window - 1))
-        if self.quantization is not None and self.quantization.keys_by_channel:
-            start -= (start - self._start) % CHANNEL_BLOCK
-        return start
+        return start - (start - self._start) % self.block
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         start = self._start_after(length)
@@ -432,15 +441,10 @@ class SlidingKVCache(KVCache):
     def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions start .. offset - 1 of the old one and room for `new` + GROWTH_STEP more."""
         kept = self.offset - start
-        size = kept + new + GROWTH_STEP
-        if self.quantization is not None and self.quantization.keys_by_channel:
-            size = whole_blocks(size)
+        size = whole_blocks(kept + new + GROWTH_STEP, self.block)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and kept:
-            first = start - self._start
-            held_keys, held_values = self.fetched(first + kept)
-            write(grown_k, 0, slot_range(held_keys, first, capacity(held_keys)))
-            write(grown_v, 0, slot_range(held_values, first, first + kept))
+            self._copy(grown_k, grown_v, 0, start - self._start, kept)
         self.keys, self.values, self._start = grown_k, grown_v, start
 
     def trim(self, n: int) -> None:
@@ -512,9 +516,7 @@ class RotatingKVCache(KVCache):
         if self.keys is None or self._slots_after(new, self._start) <= capacity(self.values):
             return self._start
         start = max(self._start, self.offset - (self.window - 1))
-        if self.quantization is not None and self.quantization.keys_by_channel:
-            start -= (start - self._start) % CHANNEL_BLOCK
-        return start
+        return start - (start - self._start) % self.block
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         start = self._start_after(length)
@@ -541,9 +543,7 @@ class RotatingKVCache(KVCache):
     def _rebuild(self, start: int, keys: Buffer, values: Buffer, new: int) -> None:
         """A buffer holding positions 0 .. keep - 1 and start .. offset - 1 of the old one, and room
         for `new` + GROWTH_STEP more (keys by channel: whole blocks of each)."""
-        size = self._slots_after(new, start) + GROWTH_STEP
-        if self.quantization is not None and self.quantization.keys_by_channel:
-            size = whole_blocks(size)
+        size = whole_blocks(self._slots_after(new, start) + GROWTH_STEP, self.block)
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
             head = min(self.keep, self.offset)
@@ -551,13 +551,6 @@ class RotatingKVCache(KVCache):
             if self.offset > start:
                 self._copy(grown_k, grown_v, self.keep, self.keep + start - self._start, self.offset - start)
         self.keys, self.values, self._start = grown_k, grown_v, start
-
-    def _copy(self, keys: Buffer, values: Buffer, to: int, first: int, count: int) -> None:
-        """Slots first .. first + count - 1 of the buffers into `keys` and `values` from slot `to`
-        (keys by channel: the whole blocks that hold them)."""
-        held_keys, held_values = self.fetched(first + count)
-        write(keys, to, slot_range(held_keys, first, capacity(held_keys)))
-        write(values, to, slot_range(held_values, first, first + count))
 
     def trim(self, n: int) -> None:
         self.offset = max(self.start, self.offset - n)

@@ -91,7 +91,7 @@ class PromptCache:
         if entry is None:
             return cache, 0
         self.entries.remove(entry)
-        _fill(cache, entry, length, lambda a, end: a, entry.copies)
+        _fill(cache, entry, length, lambda a, end: a)
         return cache, length
 
     def put(self, ids: Sequence[int], cache: Sequence[KVCache]) -> None:
@@ -115,15 +115,15 @@ class PromptCache:
             self.entries.remove(min(self.entries, key=lambda e: e.used))
 
 
-def _fill(cache: list[KVCache], entry: Entry, length: int, cut, copies: tuple[tuple, ...] = ()) -> None:
+def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
     """Give each layer of a fresh cache the entry's positions up to `length` (cut(buffer, slots) gives
-    the buffer a layer takes: a view of the entry's, or the entry's own), and the `copies` a taken
-    entry kept."""
+    the buffer a layer takes: a view of the entry's, or the entry's own), and the copies of keys by
+    channel that an entry put here as it was kept."""
     for i, (layer, (keys, values), start) in enumerate(zip(cache, entry.layers, entry.starts)):
         slots = layer.slots(start, length)
         by_channel = isinstance(keys, tuple) and layer.quantization.keys_by_channel
         layer.restore(cut(keys, whole_blocks(slots) if by_channel else slots), cut(values, slots), start, length,
-                      copies[i] if copies else ())
+                      entry.copies[i] if entry.copies else ())
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:
