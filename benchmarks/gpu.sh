@@ -388,7 +388,7 @@ kv_depth() {  # the quantized KV cache at depth through the kernels, side by sid
     [ -f "$deep" ] || python3 -c "from mlxllama import synthetic; synthetic.write('$deep', context=16384)"
     # By default unquantized and 8-bit twice, interleaved (8-bit's target is a ratio to unquantized),
     # 4-bit and 8-bit keys with 4-bit values once (KV_RUNS: others); KV_SECONDS bounds each run.
-    # 4c: keys by channel, one sequence only (batches refuse them); plain4: 4 bits on the plain step
+    # 4c: keys by channel, one sequence (what docs/benchmarks.md quotes); plain4: 4 bits on the plain step
     # (MLXLLAMA_CUDA_KERNELS=0), the step keys by channel take.
     local batches env
     for run in $([ "$part" = llama ] || echo ${KV_RUNS:-none 8 4 k8v4 none 8}); do

@@ -606,7 +606,7 @@ class BatchKVCache:
     """
 
     def __init__(self, quantization: KVQuantization | None = None):
-        refuse_keys_by_channel(quantization, "batches of rows (batch, serve, bench -b N > 1)")
+        refuse_keys_by_channel(quantization, "rows of different lengths (batch, serve)")
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.lengths: list[int] = []

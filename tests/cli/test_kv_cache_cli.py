@@ -102,7 +102,9 @@ def test_keys_by_channel_answer_in_generate_chat_and_bench_bounded_or_not():
     # a window of 64 behind 32 kept positions, which a 170-token prompt and its reply pass
     bounded = generate("--no-template", "-p", DOC, "-n", "24", "--max-kv-size", "96", "--keep", "32", *args)
     assert len(bounded["prompt_ids"]) > 96 and len(bounded["token_ids"]) == 24
-    report = json.loads(run("bench", "-p", "40", "-n", "4", "-d", "0,50", "-r", "1", *args, "--json").stdout)
+    # bench's rows, all of one length, share one cache: two of them take keys by channel too
+    report = json.loads(run("bench", "-p", "40", "-n", "4", "-d", "0,50", "-b", "1,2", "-r", "1", *args, "--json").stdout)
+    assert [(t["name"], t["batch"]) for t in report["tests"]][1:3] == [("tg4", 1), ("tg4", 2)]
     assert report["kv_cache"] == "--kv-bits 4 --kv-keys-by-channel --kv-group-size 32 --quantized-kv-start 0"
     # 6 layers x keys and values x 2 KV heads x 32 values, each half a byte and 2 x 4 / 32 of scale and bias
     assert report["kv_bytes_per_position"] == 6 * 2 * 2 * 32 * 0.75

@@ -434,5 +434,5 @@ def test_keys_by_channel_are_refused_where_they_are_not_kept_yet_and_need_whole_
     with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple"
                                             r" of 32 \(0, 32, 64...\), not 4$"):
         rt.model.make_cache(max_kv_size=64, keep=4)
-    with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel does not support batches of rows \(batch,"):
+    with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel does not support rows of different lengths \(batch,"):
         rt.model.make_batch_cache()
