@@ -233,7 +233,7 @@ class BatchDecoder:
                  stepped_rests: bool = False, draft_room: int = 0):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
-        check_kv_size(max_kv_size, keep)
+        check_kv_size(max_kv_size, keep, model.kv_quantization)
         self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
         # A ring's rows take one token at a time (cache.RingKVCache): no groups with a max_kv_size.
         self.group = group and not max_kv_size
@@ -343,11 +343,12 @@ class BatchDecoder:
         rests = [list(j.row.request.ids[j.fed :]) for j in group]
         width = max(map(len, rests))
         cache = self.model.make_batch_cache()
+        lengths = [j.fed + len(rest) for j, rest in zip(group, rests)]
         for i, layer in enumerate(cache):
             layer.extend([joining.cache[i] for joining in group])
+            layer.padded(lengths)
         pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
         hidden = self.model.hidden_states(mx.array([rest + [pad] * (width - len(rest)) for rest in rests]), cache)
-        lengths = [j.fed + len(rest) for j, rest in zip(group, rests)]
         for layer in cache:
             layer.cut_rows(lengths)
         last = mx.stack([hidden[i, len(rest) - 1] for i, rest in enumerate(rests)])
@@ -365,7 +366,8 @@ class BatchDecoder:
         for joiner, last in zip(joined, logits):
             ids = joiner.row.request.ids
             if self.prompt_cache is not None and all(c.start == 0 for c in joiner.cache):  # none dropped: in order
-                self.prompt_cache.store(ids, [(c.keys, c.values) for c in joiner.cache])
+                self.prompt_cache.store(ids, [(c.keys, c.values) for c in joiner.cache],
+                                        copies=[c.copies for c in joiner.cache])
             row = joiner.row
             (finished if row.accept(row.choose(last), last) else staying).append(joiner)
         self._join(staying)
@@ -446,7 +448,8 @@ class BatchDecoder:
                     continue
                 held = list(row.request.ids) + row.ids[:-1]  # the prompt and every generated token but the last
                 if all(c.in_order(len(held)) for c in self.cache):
-                    self.prompt_cache.store(held, [c.row(i) for c in self.cache])
+                    self.prompt_cache.store(held, [c.row(i) for c in self.cache],
+                                            copies=[c.row_copies(i) for c in self.cache])
         if finished:
             self.drop(finished)
         return finished
@@ -475,6 +478,8 @@ class BatchDecoder:
         tokens = [[row.last_id] + drafts + [row.last_id] * (width - 1 - len(drafts))
                   for row, (drafts, _) in zip(self.rows, proposals)]
         before = list(self.cache[0].lengths)
+        for layer in self.cache:
+            layer.padded([n + 1 + len(drafts) for n, (drafts, _) in zip(before, proposals)])
         logits = self.model.check_drafts(mx.array(tokens), self.cache)
         done, lengths = [], []
         for i, (row, (drafts, qs)) in enumerate(zip(self.rows, proposals)):

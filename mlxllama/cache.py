@@ -3,8 +3,9 @@
 KVCache grows in fixed steps, so a decode step never copies the whole cache; SlidingKVCache keeps
 only what a sliding-window layer can still attend to, so its memory stays bounded however long
 the sequence; RotatingKVCache bounds a full-attention layer's the same way; BatchKVCache holds rows
-of different lengths for batched decoding. Every kind can store its keys and values quantized
-(KVQuantization); the single sequence's kinds also keys grouped by channel (keys_by_channel).
+of different lengths for batched decoding, and RingKVCache bounds their memory. Every kind can
+store its keys and values quantized (KVQuantization), its keys grouped by channel too
+(keys_by_channel).
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ class KVQuantization:
             stored_keys = channel_blocks(keys, self.bits_of_keys)
         else:
             stored_keys = tuple(mx.quantize(keys, self.group_size, self.bits_of_keys))
-        return stored_keys, tuple(mx.quantize(values, self.group_size, self.bits))
+        return stored_keys, self.encode_values(values)
+
+    def encode_values(self, values: mx.array) -> tuple:
+        return tuple(mx.quantize(values, self.group_size, self.bits))
 
     def decode(self, keys: tuple, values: tuple) -> tuple[mx.array, mx.array]:
         """The keys and values `encode` stored, dequantized (keys by channel: as many as the values)."""
@@ -120,7 +124,8 @@ def channel_blocks(keys: mx.array, bits: int) -> tuple:
         keys = mx.concatenate([keys, mx.repeat(keys[:, :, -1:], fill, axis=2)], axis=2)
     blocks = (n + fill) // CHANNEL_BLOCK
     by_channel = keys.reshape(batch, heads, blocks, CHANNEL_BLOCK, head_dim).swapaxes(3, 4)
-    return tuple(a.reshape(batch, heads, n + fill, -1) for a in mx.quantize(by_channel, CHANNEL_BLOCK, bits))
+    return tuple(a.reshape(batch, heads, n + fill, head_dim * a.shape[-1] // CHANNEL_BLOCK)
+                 for a in mx.quantize(by_channel, CHANNEL_BLOCK, bits))
 
 
 def channel_blocks_decoded(keys: tuple, bits: int) -> mx.array:
@@ -557,14 +562,6 @@ class RotatingKVCache(KVCache):
         self._reopen()
 
 
-def refuse_keys_by_channel(quantization: KVQuantization | None, what: str) -> None:
-    """A one-line error where a cache kind that does not keep keys by channel is asked to."""
-    from .errors import MlxLlamaError
-
-    if quantization is not None and quantization.keys_by_channel:
-        raise MlxLlamaError(f"--kv-keys-by-channel does not support {what} yet")
-
-
 def check_kv_size(max_kv_size: int, keep: int, quantization: KVQuantization | None = None) -> None:
     """A rotating cache's bounds: keep >= 0 first positions, and room for more than them; with keys
     by channel, whole blocks of them (the window's blocks then start at a block's first slot)."""
@@ -603,16 +600,20 @@ class BatchKVCache:
     attends over the same values in the same order as it would alone; the slots past a row's
     length (zeros, or stale values of a row that left) are hidden by `mask`. With a quantization,
     the rows are stored quantized once the longest passes its start, or once a quantized row joins.
+    Keys by channel keep each row's full-precision copies of its last blocks, as KVCache does, in
+    one array: slot j of row r holds position _open_from[r] + j.
     """
 
     def __init__(self, quantization: KVQuantization | None = None):
-        refuse_keys_by_channel(quantization, "rows of different lengths (batch, serve)")
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.lengths: list[int] = []
         self.quantization = quantization
         # mx.array(lengths), built once per change: RoPE, the mask and the update all read it every step.
         self._offset: mx.array | None = None
+        self._open: mx.array | None = None  # [rows, kv_heads, slots, head_dim]; None: no row has copies
+        self._open_from: list[int] = []
+        self._real_lengths: np.ndarray | None = None  # padded(): the next call's rows' lengths but for padding
 
     @property
     def offset(self) -> mx.array:
@@ -626,6 +627,10 @@ class BatchKVCache:
         return isinstance(self.keys, tuple)
 
     @property
+    def keys_by_channel(self) -> bool:
+        return self.quantized and self.quantization.keys_by_channel
+
+    @property
     def one_length(self) -> int | None:
         """The rows' length where they all have one (a lone row: a server with one client), else None."""
         return self.lengths[0] if len(set(self.lengths)) == 1 else None
@@ -634,27 +639,73 @@ class BatchKVCache:
         """Whether the rows hold quantized keys and values once `new` more positions are appended to each."""
         return self.quantization is not None and self.quantization.applies(self.quantized, max(self.lengths) + new)
 
-    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+    def _stored(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer, np.ndarray | None]:
         """New keys and values [batch, kv_heads, new, head_dim] as the rows store them once they are
-        appended (stores_quantized), the rows held so far quantized first when that starts now."""
+        appended (stores_quantized), the rows held so far quantized first when that starts now; and
+        for keys by channel, which store the blocks the new keys fall in again whole
+        (_blocks_with), the position of each stored key, [batch, stored] (else None: the values')."""
         if not self.stores_quantized(keys.shape[2]):
-            return keys, values
+            return keys, values, None
         self._quantize()
-        return self.quantization.encode(keys, values)
+        if not self.quantization.keys_by_channel:
+            return *self.quantization.encode(keys, values), None
+        keys, positions = self._blocks_with(keys)
+        return keys, self.quantization.encode_values(values), positions
 
-    def _joined(self, keys: Buffer, values: Buffer, quantized: bool) -> tuple[Buffer, Buffer]:
-        """A joining row's keys and values as the rows store them: once either has passed the
-        quantization's start, both are stored quantized."""
-        if quantized == self.quantized:
-            return keys, values
-        self._quantize()
-        return (keys, values) if quantized else self.quantization.encode(keys, values)
+    def _blocks_with(self, keys: mx.array) -> tuple[tuple, np.ndarray]:
+        """Keys by channel: the blocks each row's new keys fall in, quantized whole from the row's
+        copies and the new keys (as KVCache stores them), and the position of each stored key. A
+        row whose keys fall in fewer blocks than another's stores its last block again to the same
+        slots rather than one it has not reached, which a ring may still hold positions of. The
+        copies then kept start at the block of the row's length before these keys: cut_rows (a
+        grouped prefill's padding, rejected drafts) never cuts a row back further."""
+        rows, heads, new, head_dim = keys.shape
+        lengths, opened = np.array(self.lengths), np.array(self._open_from)
+        ends, firsts = lengths + new, lengths - lengths % CHANNEL_BLOCK
+        real_ends = ends if self._real_lengths is None else np.minimum(ends, self._real_lengths)
+        held = int((lengths - opened).max())
+        window = mx.zeros((rows, heads, held + new, head_dim), keys.dtype)
+        if held:
+            window[:, :, :held] = self._open[:, :, :held]
+        window = mx.put_along_axis(window, slot_index(lengths - opened, new), keys, axis=2)
+        blocks = -(-(ends - firsts) // CHANNEL_BLOCK)
+        block = np.minimum(np.arange(blocks.max()), blocks[:, None] - 1)
+        positions = (firsts[:, None, None] + CHANNEL_BLOCK * block[:, :, None] + np.arange(CHANNEL_BLOCK)).reshape(rows, -1)
+        # past a row's last key (or its last before padding), that key again: channel_blocks' filling of a partial block
+        taken = np.minimum(positions, real_ends[:, None] - 1) - opened[:, None]
+        stored = channel_blocks(mx.take_along_axis(window, slot_index(taken), axis=2), self.quantization.bits_of_keys)
+        copied = np.minimum((firsts - opened)[:, None] + np.arange(int((ends - firsts).max())), held + new - 1)
+        self._open, self._open_from = mx.take_along_axis(window, slot_index(copied), axis=2), firsts.tolist()
+        return stored, positions
+
+    def _joined(self, keys: Buffer, values: Buffer, length: int) -> tuple[Buffer, Buffer, tuple]:
+        """An unquantized joining row's keys and values [1, kv_heads, slots, head_dim] (laid out as
+        this cache lays a row out) stored quantized, as the rows are; and for keys by channel, its
+        copies (row_copies)."""
+        copies = ()
+        if self.quantization.keys_by_channel:
+            first = length - length % CHANNEL_BLOCK
+            copies = (self._taken(keys, np.array([first]), length - first), first)
+        return *self.quantization.encode(keys, values), copies
+
+    def _taken(self, keys: mx.array, firsts: np.ndarray, width: int) -> mx.array | None:
+        """Each row's keys from position firsts[row] on, `width` of them (None: 0), from full-precision
+        keys laid out as this cache lays them out."""
+        if not width:
+            return None
+        positions = firsts[:, None] + np.arange(width)
+        return mx.take_along_axis(keys, slot_index(np.minimum(self._slot(positions), capacity(keys) - 1)), axis=2)
 
     def _quantize(self) -> None:
         """The rows held so far stored quantized (rows that all joined empty hold nothing yet: the
-        first update lays the buffers out quantized)."""
-        if self.keys is not None and not self.quantized:
-            self.keys, self.values = self.quantization.encode(self.keys, self.values)
+        first update lays the buffers out quantized); keys by channel keep each row's copies."""
+        if self.keys is None or self.quantized:
+            return
+        if self.quantization.keys_by_channel:
+            lengths = np.array(self.lengths)
+            firsts = lengths - lengths % CHANNEL_BLOCK
+            self._open, self._open_from = self._taken(self.keys, firsts, int((lengths - firsts).max(initial=0))), firsts.tolist()
+        self.keys, self.values = self.quantization.encode(self.keys, self.values)
 
     def mask(self, length: int, window: int = 0) -> str | mx.array | None:
         """[batch, 1, length, slots]: a row's new tokens see its cached positions and new tokens up to
@@ -671,21 +722,45 @@ class BatchKVCache:
         """Append keys/values [batch, kv_heads, new, head_dim], each row after its own length; return slots in use."""
         batch, _, new, _ = keys.shape
         end = max(self.lengths) + new
-        keys, values = self._stored(keys, values)
+        keys, values, key_positions = self._stored(keys, values)
         if self.keys is None:  # every row joined empty (add): the first update sets the layout
             self.keys, self.values = allocate(keys, 0, batch), allocate(values, 0, batch)
         self.make_room(new)
-        start = self.one_length
-        if start is not None:  # every row writes the same slots: one slice, as KVCache writes
-            write(self.keys, start, keys)
-            write(self.values, start, values)
-        else:
-            # Built on the host, as the lengths are: computed on the device it was two launches a layer.
-            slots = mx.array((np.array(self.lengths)[:, None] + np.arange(new)).reshape(batch, 1, new, 1))
-            self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
-            self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
+        values_at = self._where(new)
+        keys_at = values_at if key_positions is None else self._where(key_positions.shape[1], key_positions)
+        self.keys, self.values = self._put(self.keys, keys, keys_at), self._put(self.values, values, values_at)
         self.lengths, self._offset = [n + new for n in self.lengths], None
-        return slot_range(self.keys, 0, end), slot_range(self.values, 0, end)
+        return self.fetched(end)
+
+    def _where(self, new: int, positions: np.ndarray | None = None) -> int | mx.array:
+        """Where to write `new` positions a row, at `positions` [batch, new] (None: each row's next):
+        the first slot of the one run of slots every row writes, as KVCache writes, or the index
+        mx.put_along_axis takes, built on the host, as the lengths are (computed on the device it
+        was two launches a layer)."""
+        if positions is None:
+            start = self.one_length
+            if start is not None and self.in_order(start + new):
+                return start
+            return slot_index(self._slot(np.array(self.lengths)[:, None] + np.arange(new)))
+        slots = self._slot(positions)
+        if (slots == slots[0, 0] + np.arange(new)).all():
+            return int(slots[0, 0])
+        return slot_index(slots)
+
+    @staticmethod
+    def _put(buffer: Buffer, new: Buffer, where: int | mx.array) -> Buffer:
+        """The buffer with `new` [batch, kv_heads, n, ...] written where _where says."""
+        if isinstance(where, int):
+            write(buffer, where, new)
+            return buffer
+        return kv_map(lambda a, b: mx.put_along_axis(a, where, b, axis=2), buffer, new)
+
+    def _slot(self, positions: np.ndarray) -> np.ndarray:
+        return positions
+
+    def fetched(self, end: int) -> tuple[Buffer, Buffer]:
+        """Slots up to `end`: keys by channel to the end of its block (as KVCache.fetched)."""
+        return slot_range(self.keys, 0, whole_blocks(end) if self.keys_by_channel else end), slot_range(self.values, 0, end)
 
     def add(self, cache: KVCache) -> None:
         """Append a single sequence's cache as a new last row (an empty one too)."""
@@ -703,20 +778,25 @@ class BatchKVCache:
         lengths = [cache.offset for cache in caches]
         filled = [cache for cache in caches if cache.keys is not None]
         if not filled and self.keys is None:  # the buffers take their layout from the first update
-            self.lengths, self._offset = self.lengths + lengths, None
+            self._add_rows(lengths, [(None, 0)] * len(caches))
             return
         if self.keys is None:  # the rows before were empty: laid out as the first joiner's
             first = filled[0]
             self.keys, self.values = allocate(first.keys, 0, len(self.lengths)), allocate(first.values, 0, len(self.lengths))
         if any(cache.quantized for cache in filled):  # then every row is stored quantized
             self._quantize()
-        rows = []
+        rows, copies = [], []
         for cache, length in zip(caches, lengths):
             if cache.keys is None:  # laid out as the rows already are
                 rows.append((allocate(self.keys, 0, 1), allocate(self.values, 0, 1)))
+                copies.append((None, 0))
+            elif self.quantized and not cache.quantized:
+                *row, row_copies = self._joined(*cache.fetched(length), length)
+                rows.append(row)
+                copies.append(row_copies)
             else:
-                rows.append(self._joined(slot_range(cache.keys, 0, length), slot_range(cache.values, 0, length),
-                                         cache.quantized))
+                rows.append(cache.fetched(length))
+                copies.append(cache.copies)
         before, held, longest = len(self.lengths), capacity(self.keys), max(lengths)
         slots = held if longest <= held else grown_size(longest)
 
@@ -731,16 +811,27 @@ class BatchKVCache:
 
         self.keys = kv_map(joined, self.keys, *(keys for keys, _ in rows))
         self.values = kv_map(joined, self.values, *(values for _, values in rows))
+        self._add_rows(lengths, [c or (None, 0) for c in copies])
+
+    def _add_rows(self, lengths: list[int], copies: list[tuple]) -> None:
+        """New last rows of these lengths, with their keys by channel's copies ((None, 0): none)."""
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            before = (self._open, len(self.lengths))
+            self._open = stacked_rows([before] + [(open_keys, 1) for open_keys, _ in copies])
+            self._open_from = self._open_from + [opened for _, opened in copies]
         self.lengths, self._offset = self.lengths + lengths, None
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed, so finished sequences cost no more compute."""
         if not rows:  # an unevaluated empty slice would keep the whole buffer alive until the next row
-            self.keys = self.values = self._offset = None
-            self.lengths = []
+            self.keys = self.values = self._offset = self._open = None
+            self.lengths, self._open_from = [], []
             return
         index = mx.array(rows, mx.int32)
         self.keys, self.values = kv_map(lambda a: a[index], self.keys), kv_map(lambda a: a[index], self.values)
+        if self._open is not None:
+            self._open = self._open[index]
+        self._open_from = [self._open_from[r] for r in rows] if self._open_from else []
         self.lengths, self._offset = [self.lengths[r] for r in rows], None
 
     def make_room(self, new: int) -> None:
@@ -759,17 +850,34 @@ class BatchKVCache:
         """Row i's keys and values (views), [1, kv_heads, slots, head_dim]."""
         return kv_map(lambda a: a[i : i + 1], self.keys), kv_map(lambda a: a[i : i + 1], self.values)
 
+    def row_copies(self, i: int) -> tuple:
+        """Row i's copies of its last blocks' keys (a view) and the position they start from, as
+        KVCache.copies gives a single sequence's; () but for keys by channel."""
+        if not self.keys_by_channel:
+            return ()
+        width = self.lengths[i] - self._open_from[i]
+        return (self._open[i : i + 1, :, :width] if width else None), self._open_from[i]
+
+    def padded(self, lengths: list[int]) -> None:
+        """The next call pads row i past lengths[i] (a grouped prefill's rests, rows with fewer
+        drafts), and cut_rows will cut it there: keys by channel store the padding as the row's
+        last key before it, so that its block's codes are those its own keys give, as alone."""
+        self._real_lengths = np.array(lengths)
+
     def cut_rows(self, lengths: list[int]) -> None:
         """Row i holds its first lengths[i] positions only: what a call wrote past them (a grouped
-        prefill's padding) is forgotten, as KVCache.trim forgets."""
-        self.lengths, self._offset = list(lengths), None
+        prefill's padding) is forgotten, as KVCache.trim forgets; never fewer than it held before
+        that call (keys by channel's copies reach back that far, _blocks_with)."""
+        self.lengths, self._offset, self._real_lengths = list(lengths), None, None
 
     def single(self, i: int) -> KVCache:
         """Row i as a single sequence's cache of its own (a copy of the slots it holds)."""
         length = self.lengths[i]
         cache = KVCache(self.quantization)
-        cache.restore(*(kv_map(lambda a: mx.contiguous(a[i : i + 1, :, :length]), b) for b in (self.keys, self.values)),
-                      0, length)
+        copies = self.row_copies(i)
+        if copies and copies[0] is not None:
+            copies = mx.contiguous(copies[0]), copies[1]
+        cache.restore(*(kv_map(lambda a: mx.contiguous(a[i : i + 1]), b) for b in self.fetched(length)), 0, length, copies)
         return cache
 
     def _reserve(self, slots: int) -> None:
@@ -780,6 +888,35 @@ class BatchKVCache:
         self.keys, self.values = kv_map(lambda a: mx.pad(a, pad), self.keys), kv_map(lambda a: mx.pad(a, pad), self.values)
 
 
+def slot_index(slots: np.ndarray, new: int = 0) -> mx.array:
+    """Slots [rows, n] (or each row's first of `new` in a row: slots [rows]) as the index
+    mx.take_along_axis and mx.put_along_axis take along a buffer's slots."""
+    if new:
+        slots = slots[:, None] + np.arange(new)
+    return mx.array(slots.reshape(slots.shape[0], 1, -1, 1))
+
+
+def stacked_rows(parts: list[tuple[mx.array | None, int]]) -> mx.array | None:
+    """Arrays [rows, kv_heads, width, head_dim] of different widths (None: that many rows of width
+    0) as one, each filled out with zeros to the widest; None where every part is None."""
+    like = next((a for a, _ in parts if a is not None), None)
+    if like is None:
+        return None
+    width = max(a.shape[2] for a, _ in parts if a is not None)
+    out = [mx.zeros((rows, like.shape[1], width, like.shape[3]), like.dtype) if a is None
+           else mx.pad(a, [(0, 0), (0, 0), (0, width - a.shape[2]), (0, 0)]) for a, rows in parts]
+    return mx.concatenate([a for a in out if a.shape[0]])
+
+
+def ring_slots(max_size: int, keep: int, quantization: KVQuantization | None = None, spare: int = 0) -> int:
+    """The slots a row of a RingKVCache holds: the kept first positions, the window and the spare
+    slots (keys by channel: in whole blocks, and one block more)."""
+    ring = max_size - keep + spare
+    if quantization is not None and quantization.keys_by_channel:
+        ring = whole_blocks(ring) + CHANNEL_BLOCK
+    return keep + ring
+
+
 class RingKVCache(BatchKVCache):
     """Rows of a batch in bounded memory, as RotatingKVCache keeps one sequence: each row's first
     `keep` positions and its last `max_size - keep` (the window), so the server's rows may run past
@@ -788,21 +925,27 @@ class RingKVCache(BatchKVCache):
     more: a call may feed up to spare + 1 tokens a row (speculative decoding's check of `spare`
     drafts), none of which overwrites a position an earlier query of the call still sees, and
     trimming the rejected ones (cut_rows) leaves every kept position in place.
+
+    Keys by channel take `keep` in whole blocks and a ring of whole blocks with one block more:
+    a block of positions then fills a block of slots, and the block a row is filling, stored whole
+    (its slots past the row's length filled out), overwrites only positions a ring back, which no
+    query of the call sees.
     """
 
     def __init__(self, max_size: int, keep: int, quantization: KVQuantization | None = None, spare: int = 0):
+        check_kv_size(max_size, keep, quantization)
         super().__init__(quantization)
-        self.max_size, self.keep, self.window = max_size, keep, max_size - keep
-        self.ring = self.window + spare
-        self.slot_count = keep + self.ring
+        self.max_size, self.keep, self.window, self.spare = max_size, keep, max_size - keep, spare
+        self.slot_count = ring_slots(max_size, keep, quantization, spare)
+        self.ring = self.slot_count - keep
 
     def _slot(self, positions):
         return np.where(positions < self.keep, positions, self.keep + (positions - self.keep) % self.ring)
 
     def _check_length(self, length: int) -> None:
-        if length > self.ring - self.window + 1:
-            raise ValueError(f"a ring cache with {self.ring - self.window} spare slots takes at most"
-                             f" {self.ring - self.window + 1} tokens a row at a time")
+        if length > self.spare + 1:
+            raise ValueError(f"a ring cache with {self.spare} spare slots takes at most {self.spare + 1} tokens"
+                             f" a row at a time")
 
     def mask(self, length: int, window: int = 0) -> mx.array:
         """[batch, 1, length, slots]: for each new token, the kept first positions and the window's
@@ -820,36 +963,50 @@ class RingKVCache(BatchKVCache):
         return seen[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
-        batch, _, new, _ = keys.shape
-        self._check_length(new)
-        keys, values = self._stored(keys, values)
-        positions = np.array(self.lengths)[:, None] + np.arange(new)[None, :]
-        slots = mx.array(self._slot(positions)).reshape(batch, 1, new, 1)
-        self.keys = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.keys, keys)
-        self.values = kv_map(lambda a, b: mx.put_along_axis(a, slots, b, axis=2), self.values, values)
-        self.lengths, self._offset = [n + new for n in self.lengths], None
+        self._check_length(keys.shape[2])
+        return super().update_and_fetch(keys, values)
+
+    def fetched(self, end: int) -> tuple[Buffer, Buffer]:
         return self.keys, self.values
 
     def add(self, cache: KVCache) -> None:
         """Append a single sequence's cache, of any kind, as a new last row: what of it a later
-        query can see, moved to the ring's slots."""
+        query can see, moved to the ring's slots (keys by channel: the whole blocks that hold it)."""
         length = cache.offset
         positions, slots = cache.held()
         wanted = (positions < self.keep) | (positions >= length - self.window)
-        source, target = mx.array(slots[wanted]), mx.array(self._slot(positions[wanted]))[None, None, :, None]
+        key_wanted = wanted
+        if self.quantization is not None and self.quantization.keys_by_channel:
+            tail = max(self.keep, length - self.window)
+            key_wanted = (positions < self.keep) | (positions >= tail - tail % CHANNEL_BLOCK)
+        key_positions, key_slots = positions[key_wanted], slots[key_wanted]
+        if cache.keys_by_channel and length % CHANNEL_BLOCK:  # the rest of its last block's slots
+            rest = whole_blocks(length) - length
+            key_positions = np.concatenate([key_positions, length + np.arange(rest)])
+            key_slots = np.concatenate([key_slots, key_slots[-1] + 1 + np.arange(rest)])
+        keys, values = self._ringed(cache.keys, key_slots, key_positions), self._ringed(cache.values, slots[wanted],
+                                                                                     positions[wanted])
+        copies = cache.copies
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            if cache.quantized:
+                self._quantize()
+            elif self.quantized:
+                keys, values, copies = self._joined(keys, values, length)
+            self.keys = kv_map(lambda a, b: mx.concatenate([a, b]), self.keys, keys)
+            self.values = kv_map(lambda a, b: mx.concatenate([a, b]), self.values, values)
+        self._add_rows([length], [copies or (None, 0)])
+
+    def _ringed(self, buffer: Buffer, slots: np.ndarray, positions: np.ndarray) -> Buffer:
+        """A row of the ring holding a buffer's `slots`, the positions `positions`, in theirs."""
+        source, target = mx.array(slots), slot_index(self._slot(positions)[None])
 
         def ring(a: mx.array) -> mx.array:
             empty = mx.zeros(a.shape[:2] + (self.slot_count,) + a.shape[3:], a.dtype)
             return mx.put_along_axis(empty, target, mx.take(a, source, axis=2), axis=2)
 
-        keys, values = kv_map(ring, cache.keys), kv_map(ring, cache.values)
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            keys, values = self._joined(keys, values, cache.quantized)
-            self.keys = kv_map(lambda a, b: mx.concatenate([a, b]), self.keys, keys)
-            self.values = kv_map(lambda a, b: mx.concatenate([a, b]), self.values, values)
-        self.lengths, self._offset = self.lengths + [length], None
+        return kv_map(ring, buffer)
 
     def extend(self, caches: Sequence[KVCache]) -> None:
         """Append caches as new last rows, each moved to the ring's slots in turn."""

@@ -421,7 +421,7 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
     printf 'What is 17 plus 25?\\nMy name is Zoe.\\n' | mlxllama batch --text - -n 32
     """
     from .batch_jobs import BatchSettings, results_output, run_batch
-    from .cache import check_kv_size, refuse_keys_by_channel
+    from .cache import check_kv_size
     from .prompt import choose_template
 
     refuse_under_launch(prompt_cache=prompt_cache_file, draft_model=draft_model, lookup=lookup)
@@ -429,10 +429,9 @@ def batch(model_path, prompts_file, out_path, text_input, batch_size, no_templat
         raise MlxLlamaError("--data-parallel spreads the lines over the processes of mlx.launch:"
                             " run `mlx.launch -n 2 -- mlxllama batch --data-parallel ...`")
     check_no_template(no_template, system, compare_template, template_name, template_file)
-    check_kv_size(max_kv_size, keep)
+    check_kv_size(max_kv_size, keep, kv_quantization_requested())
     if max_kv_size and prompt_cache_file:
         raise MlxLlamaError("--max-kv-size excludes --prompt-cache")
-    refuse_keys_by_channel(kv_quantization_requested(), "batch")
     kwargs = parse_template_kwargs(template_kwargs)
     params = sampling_params(sampling)
     constraint = requested_constraint()
@@ -520,7 +519,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
     mlxllama serve -m model.gguf --port 8080
     curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
-    from .cache import check_kv_size, refuse_keys_by_channel
+    from .cache import check_kv_size
     from .prompt import choose_template
     from .server import DRAFT_ROOM, check_listen, default_engine, launch_without_cuda_graphs, serve
 
@@ -530,8 +529,7 @@ def serve_command(model_path, host, port, api_key, max_batch, kv_budget_mb, max_
         raise MlxLlamaError(f"mlxllama serve needs {e.name}: pip install \"mlxllama[serve]\"") from None
 
     check_no_template(False, None, False, template_name, template_file)
-    check_kv_size(max_kv_size, keep)
-    refuse_keys_by_channel(kv_quantization_requested(), "serve")
+    check_kv_size(max_kv_size, keep, kv_quantization_requested())
     refuse_under_launch(draft_model=draft_model, lookup=lookup)
     if engine_kind == "process" and launched():
         raise MlxLlamaError("--engine process is not supported under mlx.launch: a split model's engine runs in"

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range, whole_blocks
+from .cache import CHANNEL_BLOCK, Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range, whole_blocks
 
 
 @dataclass
@@ -71,16 +71,21 @@ class PromptCache:
         _fill(cache, entry, length, lambda a, end: slot_range(a, 0, end))
         return cache
 
-    def store(self, ids: Sequence[int], layers: Sequence[tuple[Buffer, Buffer]], copy: bool = True) -> None:
+    def store(self, ids: Sequence[int], layers: Sequence[tuple[Buffer, Buffer]], copy: bool = True,
+              copies: Sequence[tuple] = ()) -> None:
         """Keep the keys and values of `ids` ([1, kv_heads, >= len(ids), head_dim] a layer, copied
         here, or as they are where they are the prefix's own arrays: `copy` False, a file's); an
-        entry whose ids this one extends is replaced by it."""
+        entry whose ids this one extends is replaced by it. Keys by channel come with each layer's
+        `copies` (KVCache.copies): their whole blocks are kept, and the copies where they reach
+        back to the block of the last id."""
         ids = tuple(ids)
         if copy:
-            layers = [tuple(kv_map(lambda a: mx.contiguous(a[:, :, : len(ids)]), buffer) for buffer in layer)
-                      for layer in layers]
-            mx.eval(layers)
-        self._add(ids, list(layers))
+            by_channel = [bool(c) for c in copies] or [False] * len(layers)
+            copies = [_cut_copies(c, len(ids)) for c in copies]
+            layers = [(_copied(keys, whole_blocks(len(ids)) if whole else len(ids)), _copied(values, len(ids)))
+                      for (keys, values), whole in zip(layers, by_channel)]
+            mx.eval(layers, [c[0] for c in copies if c and c[0] is not None])
+        self._add(ids, list(layers), copies=tuple(copies) if any(copies) else ())
 
     def take(self, ids: Sequence[int], model, max_kv_size: int = 0, keep: int = 0) -> tuple[list[KVCache], int]:
         """A cache to continue `ids` from: the entry sharing the longest prefix with them, taken
@@ -124,6 +129,22 @@ def _fill(cache: list[KVCache], entry: Entry, length: int, cut) -> None:
         by_channel = isinstance(keys, tuple) and layer.quantization.keys_by_channel
         layer.restore(cut(keys, whole_blocks(slots) if by_channel else slots), cut(values, slots), start, length,
                       entry.copies[i] if entry.copies else ())
+
+
+def _copied(buffer: Buffer, slots: int) -> Buffer:
+    """The first `slots` slots, contiguous: never a view that would keep the whole buffer alive."""
+    return kv_map(lambda a: mx.contiguous(a[:, :, :slots]), buffer)
+
+
+def _cut_copies(copies: tuple, length: int) -> tuple:
+    """Keys by channel's copies (a buffer of positions `opened` on, and `opened`) cut to `length`
+    positions, contiguous; () where they start after the block that position `length` falls in."""
+    if not copies:
+        return ()
+    held, opened = copies
+    if opened > length - length % CHANNEL_BLOCK:
+        return ()
+    return (mx.contiguous(held[:, :, : length - opened]) if length > opened else None), opened
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..batching import BatchDecoder, Request, Row, TokenLogprob
-from ..cache import grown_size, kv_bytes_per_position, kv_label
+from ..cache import grown_size, kv_bytes_per_position, kv_label, ring_slots
 from ..generate import PREFILL_CHUNK, GenerationResult
 from ..prompt_cache import PromptCache
 from .replicas import LeadingDecoder
@@ -83,12 +83,13 @@ class KvBudget:
     context_length: int
     max_kv_size: int  # a ring's positions a row (0: the cache grows)
     draft_room: int
+    ring_slots: int = 0  # the slots a ring's row holds (cache.ring_slots)
 
     def bytes(self, rows: int, slots: int) -> int:
         """The batch cache's bytes for `rows` rows of `slots` positions (rounded up as it grows; a
-        ring's rows hold max_kv_size positions and the draft room, however many they need)."""
+        ring's rows hold its slots, however many they need)."""
         if self.max_kv_size:
-            return rows * (self.max_kv_size + self.draft_room) * self.slot_bytes
+            return rows * self.ring_slots * self.slot_bytes
         return rows * grown_size(min(slots, self.context_length)) * self.slot_bytes
 
     @staticmethod
@@ -128,7 +129,9 @@ class Engine:
         self.dtype = model.compute_dtype_name
         self.budget = KvBudget(kv_budget if kv_budget is not None else default_kv_budget(),
                                kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization),
-                               runtime.config.context_length, decoder.max_kv_size, decoder.draft_room)
+                               runtime.config.context_length, decoder.max_kv_size, decoder.draft_room,
+                               ring_slots(decoder.max_kv_size, keep, model.kv_quantization, decoder.draft_room)
+                               if decoder.max_kv_size else 0)
         self.max_queue = max_queue
         self.handed_on = handed_on or (lambda: None)
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()

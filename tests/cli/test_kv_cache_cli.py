@@ -111,11 +111,11 @@ def test_keys_by_channel_answer_in_generate_chat_and_bench_bounded_or_not():
 
 
 @pytest.mark.parametrize("command", ["batch", "serve"])
-def test_keys_by_channel_are_refused_in_one_line_where_not_kept_yet(command):
+def test_keys_by_channel_bounded_in_batch_and_serve_need_whole_blocks_kept(command):
     result = run(command, *{"batch": ["-"], "serve": ["--port", "0"]}[command], "--kv-bits", "4",
-                 "--kv-keys-by-channel", input="Hi\n")
-    assert result.exit_code == 2 and result.stderr == (
-        f"mlxllama: error: --kv-keys-by-channel does not support {command} yet\n")
+                 "--kv-keys-by-channel", "--max-kv-size", "96", "--keep", "4", input="Hi\n")
+    assert result.exit_code == 2 and result.stderr == ("mlxllama: error: --kv-keys-by-channel with --max-kv-size"
+                                                       " needs --keep to be a multiple of 32 (0, 32, 64...), not 4\n")
 
 
 def test_a_prompt_cache_file_keeps_keys_by_channel_in_whole_blocks(tmp_path):
@@ -164,14 +164,15 @@ def test_a_prompt_cache_file_keeps_the_quantized_cache_and_says_so(tmp_path):
     assert cached["token_ids"] == fresh["token_ids"] and cached["cached_tokens"] > 100
 
 
-def test_batch_and_chat_take_the_options():
+@pytest.mark.parametrize("kv", [("--kv-bits", "4"), ("--kv-bits", "4", "--kv-keys-by-channel")], ids=["4", "4c"])
+def test_batch_and_chat_take_the_options(kv):
     lines = "\n".join(json.dumps({"id": i, "prompt": p, "max_tokens": 8, "no_template": True})
                       for i, p in enumerate(["The capital of Italy is", "1, 2, 3, 4,"]))
-    batched = run("batch", "-", "--kv-bits", "4", "--batch-size", "2", input=lines)
+    batched = run("batch", "-", *kv, "--batch-size", "2", input=lines)
     assert batched.exit_code == 0, batched.output
     results = {r["id"]: r for r in map(json.loads, batched.stdout.splitlines())}
     for i, prompt in enumerate(["The capital of Italy is", "1, 2, 3, 4,"]):
-        alone = generate("--no-template", "-p", prompt, "-n", "8", "--kv-bits", "4")
+        alone = generate("--no-template", "-p", prompt, "-n", "8", *kv)
         assert results[i]["token_ids"] == alone["token_ids"]
     chat = run("chat", "--kv-bits", "8", input="What is the capital of Japan?\n")
     assert chat.exit_code == 0 and "The capital of Japan is Tokyo." in chat.stdout
@@ -195,11 +196,12 @@ def test_bench_at_depth_reports_the_quantized_cache():
         "mlxllama: error: pp8 / tg0 at depth 1000 do not fit the model's context of 512 tokens\n")
 
 
-def test_the_server_answers_from_a_quantized_cache_and_its_prompt_store():
-    server = Server("--kv-bits", "4", "--prompt-cache-mb", "1")
+@pytest.mark.parametrize("by_channel", [False, True])
+def test_the_server_answers_from_a_quantized_cache_and_its_prompt_store(by_channel):
+    server = Server("--kv-bits", "4", "--prompt-cache-mb", "1", *(["--kv-keys-by-channel"] if by_channel else []))
     try:
         rt = mlxllama.load(MODEL)
-        rt.model.store_kv_quantized(KVQuantization(4))
+        rt.model.store_kv_quantized(KVQuantization(4, keys_by_channel=by_channel))
         want = rt.generate(DOC + "The capital of", 6).text
         for _ in range(2):  # the second from the prompt store's quantized entry
             body = httpx.post(f"{server.url}/v1/completions",
@@ -213,10 +215,12 @@ def test_the_server_answers_from_a_quantized_cache_and_its_prompt_store():
 LONG = "The capital of Japan is Tokyo. What is 17 plus 25? My name is Zoe. " * 30  # ~620 tokens: past the context
 
 
-def test_the_server_and_batch_run_past_the_context_with_a_bounded_cache():
+@pytest.mark.parametrize("kv", [("--keep", "4", "--kv-bits", "8"), ("--keep", "32", "--kv-bits", "4", "--kv-keys-by-channel")],
+                         ids=["8", "4c"])
+def test_the_server_and_batch_run_past_the_context_with_a_bounded_cache(kv):
     """--max-kv-size on serve and batch: each row a ring of its first and last positions
     (quantized too here), so a prompt past the context of 512 is answered as generate answers it."""
-    options = ("--max-kv-size", "96", "--keep", "4", "--kv-bits", "8")
+    options = ("--max-kv-size", "96", *kv)
     want = generate("--no-template", "-p", LONG, "-n", "12", *options)
     assert len(want["prompt_ids"]) > 512
     server = Server(*options)
@@ -224,7 +228,7 @@ def test_the_server_and_batch_run_past_the_context_with_a_bounded_cache():
         body = httpx.post(f"{server.url}/v1/completions", json={"prompt": LONG, "max_tokens": 12}, timeout=60).json()
         assert body["choices"][0]["text"] == want["text"]
         health = httpx.get(f"{server.url}/health").json()
-        assert (health["max_kv_size"], health["kv_cache"]) == (96, "--kv-bits 8 --kv-group-size 32 --quantized-kv-start 0")
+        assert health["max_kv_size"] == 96 and health["kv_cache"].startswith(" ".join(kv[2:]) + " --kv-group-size 32")
     finally:
         server.stop()
     lines = json.dumps({"id": "long", "prompt": LONG, "no_template": True, "max_tokens": 12})

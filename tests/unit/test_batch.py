@@ -177,12 +177,13 @@ def test_batched_greedy_ids_equal_one_at_a_time(runtime, prompts, sequential, ba
     assert results[4].text == "The capital of Japan is Tokyo." and results[4].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts, kv_bits, monkeypatch):
+@pytest.mark.parametrize("kv", [None, KVQuantization(8), KVQuantization(4, keys_by_channel=True)], ids=["none", "8", "4c"])
+def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts, kv, monkeypatch):
     """A burst of joiners, one continuing a prompt cache's prefix, prefilled in one padded pass
     (BatchDecoder's group): the ids and log-probabilities of each prompt fed alone (within 1e-4:
-    float32 rounding of other shapes) and the same keys in the batch."""
-    runtime.model.store_kv_quantized(KVQuantization(kv_bits) if kv_bits else None)
+    float32 rounding of other shapes) and the same keys in the batch (keys by channel: the padding
+    left out of each row's last block)."""
+    runtime.model.store_kv_quantized(kv)
     try:
         (fed_alone, keys_alone, alone), (fed_together, keys_together, together) = (
             feed_burst(runtime, prompts, group, monkeypatch) for group in (False, True))
@@ -201,7 +202,8 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
         np.testing.assert_allclose(b[..., :n, :], a[..., :n, :], atol=bar)
 
 
-def test_fresh_prompts_fed_together_into_a_quantized_cache(runtime, prompts):
+@pytest.mark.parametrize("kv", [KVQuantization(8), KVQuantization(4, keys_by_channel=True)], ids=["8", "4c"])
+def test_fresh_prompts_fed_together_into_a_quantized_cache(runtime, prompts, kv):
     """A burst of prompts none of which the prompt cache holds, with keys and values stored at 8
     bits from the first position, prefilled in one pass (a CPU server's group): it used to fail,
     quantizing the group's buffers before any row had laid them out; now the ids each gets alone."""
@@ -214,7 +216,7 @@ def test_fresh_prompts_fed_together_into_a_quantized_cache(runtime, prompts):
             decoder.step()
         return [row.ids for row in rows]
 
-    runtime.model.store_kv_quantized(KVQuantization(8))
+    runtime.model.store_kv_quantized(kv)
     try:
         assert run(True) == run(False)
     finally:

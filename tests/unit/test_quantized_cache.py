@@ -11,6 +11,7 @@ much quantizing costs in perplexity is measured against the unquantized cache
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ import pytest
 
 import mlxllama
 from mlxllama.batching import BatchDecoder, Request, batch_generate
-from mlxllama.cache import (CHANNEL_BLOCK, KVCache, KVQuantization, RotatingKVCache, SlidingKVCache, capacity,
+from mlxllama.cache import (CHANNEL_BLOCK, BatchKVCache, KVCache, KVQuantization, RingKVCache, RotatingKVCache, SlidingKVCache, capacity,
                             causal_mask, kv_bytes_per_position, kv_nbytes, visible)
 from mlxllama.errors import MlxLlamaError
 from mlxllama.prompt_cache import PromptCache
@@ -205,11 +206,12 @@ def greedy(rt, prompts: list[list[int]], max_tokens: int, batch_size: int) -> li
 
 
 @pytest.mark.parametrize("start", [0, 20])
-def test_batched_rows_decode_as_each_alone(start):
+@pytest.mark.parametrize("bits, by_channel", [(8, False), (4, True)])
+def test_batched_rows_decode_as_each_alone(start, bits, by_channel):
     """Rows of different lengths in one quantized batch cache (rows joining before and after it
     passes the start) give each row's ids alone; logits equal within float rounding, so ids equal
     where the top two are not within a near-tie margin."""
-    rt = quantized("chat-tiny-Q4_K_M.gguf", 8, start=start)
+    rt = quantized("chat-tiny-Q4_K_M.gguf", bits, start=start, keys_by_channel=by_channel)
     prompts = [rt.tokenize(t) for t in ("The capital of Italy is", "Once upon a time there was a",
                                         "1, 2, 3, 4,", "The quick brown fox jumps over the lazy dog")]
     alone = [greedy(rt, [p], 24, 1)[0] for p in prompts]
@@ -217,9 +219,10 @@ def test_batched_rows_decode_as_each_alone(start):
     assert together == alone
 
 
-def test_quantized_rows_go_through_the_prompt_store():
+@pytest.mark.parametrize("by_channel", [False, True])
+def test_quantized_rows_go_through_the_prompt_store(by_channel):
     """Finished rows are stored quantized and a later prompt starting the same way restores them."""
-    rt = quantized("chat-tiny-Q4_K_M.gguf", 4)
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=by_channel)
     store = PromptCache(1 << 24)
     decoder = BatchDecoder(rt.model, rt.tokenizer, 4, prompt_cache=store)
     prompt = rt.tokenize("The capital of Italy is Rome. The capital of Japan is")
@@ -233,6 +236,7 @@ def test_quantized_rows_go_through_the_prompt_store():
         assert row.ids == first
     assert row.cached_tokens == len(prompt) - 1
     assert all(isinstance(keys, tuple) for keys, _ in store.entries[0].layers)
+    assert bool(store.entries[0].copies) == by_channel  # the row's copies of its last block's keys went too
 
 
 def test_settings_mlx_cannot_quantize_with_are_one_line_errors():
@@ -429,10 +433,179 @@ def test_keys_by_channel_take_the_memory_of_groups_of_32_along_the_head():
     assert per_position / full == pytest.approx((0.5 + (2 * size / 32 + 2 * size / 64) / 2) / size)
 
 
-def test_keys_by_channel_are_refused_where_they_are_not_kept_yet_and_need_whole_blocks_kept():
+@pytest.mark.parametrize("make", ["make_cache", "make_batch_cache"])
+def test_keys_by_channel_bounded_need_whole_blocks_kept(make):
     rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=True)
     with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel with --max-kv-size needs --keep to be a multiple"
                                             r" of 32 \(0, 32, 64...\), not 4$"):
-        rt.model.make_cache(max_kv_size=64, keep=4)
-    with pytest.raises(MlxLlamaError, match=r"^--kv-keys-by-channel does not support rows of different lengths \(batch,"):
-        rt.model.make_batch_cache()
+        getattr(rt.model, make)(max_kv_size=64, keep=4)
+
+
+def batch_rows(keys: list[mx.array], fed: list[int], width: int | list[int]) -> mx.array:
+    """Row i's next `width` keys (each row its own width, the rest of the widest padded with keys
+    20 times larger, which must not count), stacked as a batch cache's update takes them."""
+    widths = [width] * len(keys) if isinstance(width, int) else width
+    widest = max(widths)
+    rows = []
+    for k, f, w in zip(keys, fed, widths):
+        pad = 20 * mx.ones((1, k.shape[1], widest - w, k.shape[3]))
+        rows.append(mx.concatenate([k[:, :, f : f + w], pad], axis=2))
+    return mx.concatenate(rows)
+
+
+def assert_rows_hold_their_blocks(batch: BatchKVCache, keys: list[mx.array]) -> None:
+    """Each row's keys, as the batch cache stores them, are the blocks of its positions quantized at
+    once, to the bit; its values its own, along the head."""
+    stored_keys, stored_values = BY_CHANNEL.decode(*batch.fetched(max(batch.lengths)))
+    for i, (k, n) in enumerate(zip(keys, batch.lengths)):
+        if n:
+            assert mx.array_equal(stored_keys[i : i + 1, :, :n], by_channel_round_trip(k[:, :, :n]))
+            values = BY_CHANNEL.decode(*BY_CHANNEL.encode(k, k[:, :, :n]))[1]
+            assert mx.array_equal(stored_values[i : i + 1, :, :n], values)
+
+
+def test_rows_of_keys_by_channel_store_each_rows_blocks_as_alone():
+    """A batch cache's rows, each of its own length, fed a token a step across their blocks' ends,
+    and padded runs cut back to each row's own (a grouped prefill's rests; rows with fewer drafts),
+    hold the blocks of their own keys quantized at once, as a single sequence's cache does; a row
+    that leaves the others keeps its blocks, and one taken out as a single sequence's cache (and
+    back through the prompt store) goes on storing them the same."""
+    rng = np.random.default_rng(5)
+    lengths = [0, 31, 32, 70, 95]
+    keys = [random_heads(rng, 400) for _ in lengths]
+    singles = [KVCache(BY_CHANNEL) for _ in lengths]
+    for single, k, n in zip(singles, keys, lengths):
+        if n:
+            single.update_and_fetch(k[:, :, :n], k[:, :, :n])
+    batch = BatchKVCache(BY_CHANNEL)
+    batch.extend(singles)
+    assert_rows_hold_their_blocks(batch, keys)
+    for _ in range(40):
+        new = batch_rows(keys, batch.lengths, 1)
+        batch.update_and_fetch(new, new)
+        assert_rows_hold_their_blocks(batch, keys)
+    for widths in ([5, 40, 1, 33, 12], [1, 3, 2, 1, 3]):
+        real = [n + w for n, w in zip(batch.lengths, widths)]
+        batch.padded(real)
+        new = batch_rows(keys, batch.lengths, widths)
+        batch.update_and_fetch(new, new)
+        batch.cut_rows(real)
+        assert_rows_hold_their_blocks(batch, keys)
+    batch.keep_rows([0, 2, 4])
+    keys = [keys[0], keys[2], keys[4]]
+    new = batch_rows(keys, batch.lengths, 1)
+    batch.update_and_fetch(new, new)
+    assert_rows_hold_their_blocks(batch, keys)
+
+    class Model:
+        def make_cache(self, bounded=True, max_kv_size=0, keep=0):
+            return [KVCache(BY_CHANNEL)]
+
+    n = batch.lengths[1]
+    assert n % CHANNEL_BLOCK
+    store, ids = PromptCache(1 << 24), list(range(n))
+    store.store(ids, [batch.row(1)], copies=[batch.row_copies(1)])
+    (restored,) = store.restore(store.entries[0], n, Model())
+    for continued in (batch.single(1), restored):
+        got = BY_CHANNEL.decode(*continued.update_and_fetch(keys[1][:, :, n : n + 50], keys[1][:, :, n : n + 50]))[0]
+        assert mx.array_equal(got, by_channel_round_trip(keys[1][:, :, : n + 50]))
+
+
+def test_rows_of_keys_by_channel_start_storing_them_together_and_take_joiners_of_either_kind():
+    """With --quantized-kv-start, rows held at full precision are stored by channel once the longest
+    passes the start, each from its own positions; a row at full precision joining quantized rows,
+    and a quantized row joining rows at full precision, are stored so too."""
+    later = replace(BY_CHANNEL, start=50)
+    rng = np.random.default_rng(6)
+    keys = [random_heads(rng, 200) for _ in range(4)]
+    lengths = [10, 40, 20, 60]
+    singles = [KVCache(later) for _ in lengths]
+    for single, k, n in zip(singles, keys, lengths):
+        single.update_and_fetch(k[:, :, :n], k[:, :, :n])
+    assert [single.quantized for single in singles] == [False, False, False, True]
+    batch = BatchKVCache(later)
+    batch.extend(singles[:2])
+    while not batch.quantized:
+        new = batch_rows(keys[:2], batch.lengths, 1)
+        batch.update_and_fetch(new, new)
+    assert batch.lengths == [21, 51]
+    batch.extend(singles[2:3])
+    for _ in range(45):
+        new = batch_rows(keys[:3], batch.lengths, 1)
+        batch.update_and_fetch(new, new)
+        assert_rows_hold_their_blocks(batch, keys[:3])
+    held_apart = BatchKVCache(later)
+    held_apart.extend([singles[0], singles[3]])
+    assert held_apart.quantized
+    for _ in range(40):
+        new = batch_rows([keys[0], keys[3]], held_apart.lengths, 1)
+        held_apart.update_and_fetch(new, new)
+        assert_rows_hold_their_blocks(held_apart, [keys[0], keys[3]])
+
+
+def test_a_ring_of_rows_keeps_whole_blocks_of_keys_by_channel():
+    """Rows joining a ring batch cache (--max-kv-size in batch and serve) from rotating caches,
+    some past their bound, fed a token a step past the ring's wrap and runs of up to spare + 1
+    (drafts, padded and cut back): every position a later query sees holds the blocks of its row's
+    keys quantized at once; the block a row fills never overwrites a position still seen."""
+    rng = np.random.default_rng(7)
+    max_size, keep, spare = 100, 32, 3
+    lengths = [10, 64, 150, 300]
+    keys = [random_heads(rng, 700) for _ in lengths]
+    ring = RingKVCache(max_size, keep, BY_CHANNEL, spare)
+    assert ring.ring == 128  # the window of 68 and 3 spare slots in whole blocks (96), and a block more
+    for k, n in zip(keys, lengths):
+        single = RotatingKVCache(max_size, keep, BY_CHANNEL)
+        single.update_and_fetch(k[:, :, :n], k[:, :, :n])
+        ring.add(single)
+
+    def assert_seen_positions_hold_their_blocks():
+        stored = BY_CHANNEL.decode(*ring.fetched(0))[0]
+        for i, (k, n) in enumerate(zip(keys, ring.lengths)):
+            seen = np.concatenate([np.arange(min(keep, n)), np.arange(max(keep, n - (max_size - keep) + 1), n)])
+            slots = mx.array(ring._slot(seen))
+            assert mx.array_equal(stored[i : i + 1, :, slots], by_channel_round_trip(k[:, :, :n])[:, :, mx.array(seen)])
+
+    assert_seen_positions_hold_their_blocks()
+    for step in range(120):
+        if step % 3:
+            new = batch_rows(keys, ring.lengths, 1)
+            ring.update_and_fetch(new, new)
+        else:
+            widths = [1 + (step + i) % (spare + 1) for i in range(len(keys))]
+            real = [n + w for n, w in zip(ring.lengths, widths)]
+            ring.padded(real)
+            new = batch_rows(keys, ring.lengths, widths)
+            ring.update_and_fetch(new, new)
+            kept = [n - (step + i) % 2 * (w > 1) for i, (n, w) in enumerate(zip(real, widths))]
+            ring.cut_rows(kept)
+            if kept != real:  # a rejected draft's key counts in its block until the row's next write, as alone
+                continue
+        assert_seen_positions_hold_their_blocks()
+    assert min(ring.lengths) > keep + ring.ring and ring.keys[0].shape[2] == keep + ring.ring  # past the wrap, never grown
+
+
+def test_a_ring_batch_with_keys_by_channel_decodes_each_row_as_alone():
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=True)
+    prompts = [rt.tokenize(t) for t in ("The capital of Italy is", "Once upon a time there was a", TEXT[:400])]
+    alone = [rt.generate(p, 60, temperature=0.0, max_kv_size=96, keep=32).token_ids for p in prompts]
+    together = batch_generate(rt, prompts, max_tokens=60, batch_size=3, temperature=0.0, max_kv_size=96, keep=32)
+    assert [r.token_ids for r in together] == alone
+    assert len(prompts[2]) + 60 > 96 + 32  # that row ran past its bound
+
+
+@pytest.mark.parametrize("by_channel", [False, True])
+def test_the_servers_budget_counts_the_slots_a_ring_row_holds(by_channel):
+    """--max-kv-size 128 --keep 32 with room for 2 drafts: 130 slots a row, or with keys by channel
+    the window and drafts in whole blocks and a block more (192); the server's budget counts what
+    a row's ring holds."""
+    from mlxllama.server.engine import Engine
+
+    rt = quantized("chat-tiny-Q4_K_M.gguf", 4, keys_by_channel=by_channel)
+    engine = Engine(rt, max_kv_size=128, keep=32, draft_room=2)
+    decoder = engine.decoder
+    decoder.admit(0, Request(rt.tokenize("The capital of Italy is"), max_tokens=4))
+    while decoder.joining:
+        decoder.prefill_chunk()
+    assert decoder.cache[0].slot_count == (192 if by_channel else 130)
+    assert sum(kv_nbytes(layer.keys) + kv_nbytes(layer.values) for layer in decoder.cache) == engine.budget.bytes(1, 0)

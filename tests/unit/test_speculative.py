@@ -391,15 +391,17 @@ def test_a_batch_with_speculation_gives_each_row_its_plain_greedy_ids():
         assert draft is rt or sum(r.drafted for r in results) > sum(r.accepted for r in results)
 
 
-@pytest.mark.parametrize("model, kv_bits", [("gemma3-tiny-Q8_0.gguf", None), ("qwen2-tiny-Q8_0.gguf", 8),
-                                            ("mixtral-tiny-Q4_K_M.gguf", None)])
-def test_a_batch_speculates_over_sliding_layers_a_quantized_cache_and_experts(model, kv_bits):
+@pytest.mark.parametrize("model, kv", [("gemma3-tiny-Q8_0.gguf", None), ("qwen2-tiny-Q8_0.gguf", KVQuantization(8)),
+                                       ("qwen2-tiny-Q8_0.gguf", KVQuantization(4, keys_by_channel=True)),
+                                       ("mixtral-tiny-Q4_K_M.gguf", None)])
+def test_a_batch_speculates_over_sliding_layers_a_quantized_cache_and_experts(model, kv):
     """Batched checks over Gemma 3's sliding-window layers (each row's mask keeps its window), over
-    a quantized batch cache (the check's keys stored quantized as single steps store them) and
-    through Mixtral's experts: each row's ids are its plain batched ids, with drafts kept."""
+    a quantized batch cache (the check's keys stored quantized as single steps store them; keys by
+    channel without the padding of rows with fewer drafts) and through Mixtral's experts: each
+    row's ids are its plain batched ids, with drafts kept."""
     from mlxllama.batching import batch_generate
 
-    rt = mlxllama.load(REPO_FIXTURES / model, kv_quantization=KVQuantization(kv_bits) if kv_bits else None)
+    rt = mlxllama.load(REPO_FIXTURES / model, kv_quantization=kv)
     prompts = ["Once upon a time " * 12, "The cat sat on", "1 2 3 4 " * 8]
     plain = batch_generate(rt, prompts, 120, batch_size=3)
     results = batch_generate(rt, prompts, 120, batch_size=3, draft=3, draft_tokens=5)
