@@ -219,6 +219,16 @@ def test_channel_keys_decode_times_two_decodings_of_the_same_keys():
     assert round(json.loads(patched)["ppl"], 4) == 12.9591  # tests/cli/test_kv_cache_cli.py's
 
 
+def test_kv_round_trip_rounding_finds_the_cpu_cache_equal_to_its_round_trip():
+    """The figures behind assert_close's GPU bound: on the CPU each quantized cache equals its
+    round trip to the bit, and quantizing moves the output (the unquantized lines by nothing)."""
+    lines = [json.loads(line) for line in run_script("benchmarks/kv_round_trip_rounding.py", "--only", "qwen3").splitlines()]
+    assert [line["case"].split()[0] for line in lines] == ["chunked"] * 4 + ["by_channel", "unquantized", "unquantized",
+                                                                             "keys8"]
+    assert all(line["diff_max"] == 0 for line in lines)
+    assert all((line["quant_mean"] > 0.01) == (line["case"].split()[0] != "unquantized") for line in lines)
+
+
 def test_q6k_six_bits_finds_the_argmax_flip_that_keeps_q6_k_at_8_bits():
     """The measurement behind holding Q6_K at 8 bits: on chat-tiny's Q6_K file the 6-bit form moves
     the mean KL to llama.cpp up and flips an argmax the parity tests hold (docs/benchmarks.md)."""

@@ -35,11 +35,15 @@ QUESTIONS = ["What is the capital of Japan?", "What is 17 plus 25?"]
 MAX_TOKENS = [12, 3, 9, 5, 16, 14]
 
 
-def logprob_rounding(runtime) -> float:
+def logprob_rounding(runtime, kv: KVQuantization | None = None) -> float:
     """How far one token's log-probability may round apart when the same prompt goes through the
     model in other shapes (a padded group, a stepped rest, a row of a batch): 1e-4 computed in
-    float32 (the CPU); in float16 (a GPU) up to 0.0033 was measured on an H100."""
-    return 1e-4 if runtime.model.compute_dtype == mx.float32 else 5e-3
+    float32 (the CPU); in float16 (a GPU) up to 0.0033 was measured on an H100. With a quantized
+    cache a key that rounds apart may be stored a level apart: on an H200, 0.0068 at 8 bits and
+    0.018 at 4 (keys by channel)."""
+    if runtime.model.compute_dtype == mx.float32:
+        return 1e-4
+    return 5e-3 if kv is None else 0.02 if kv.bits == 8 else 0.05
 
 
 def key_rounding(runtime) -> float:
@@ -194,7 +198,7 @@ def test_joining_prompts_fed_together_continue_as_if_fed_alone(runtime, prompts,
     for a, b in zip(alone, together):
         assert (b.cached_tokens, b.prefilled_tokens) == (a.cached_tokens, a.prefilled_tokens)
         np.testing.assert_allclose([t.logprob for t in b.logprobs], [t.logprob for t in a.logprobs],
-                                   atol=logprob_rounding(runtime))
+                                   atol=logprob_rounding(runtime, kv))
     for (a, level), (b, _), row in zip(keys_alone, keys_together, alone):
         n = len(row.request.ids)
         # Stored at 8 bits, a key that rounds apart in float16 may land one level over (on an H100).
