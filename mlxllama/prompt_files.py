@@ -1,8 +1,9 @@
 """Prompt caches on disk: the keys and values of a prefix (a long document, a system prompt)
 saved with everything they depend on, so a later run prefills only what follows it.
 
-A file is safetensors: the prefix's token ids, each layer's keys and values for those positions,
-and in its metadata the model file's identity and the settings that change the keys and values
+A file is safetensors: the prefix's token ids, each layer's keys and values for those positions
+(keys by channel: with the full-precision keys of the block the prefix ends in, which the cache
+keeps to store that block again whole, `layers.{i}.keys.open`), and in its metadata the model file's identity and the settings that change the keys and values
 (the template, the context length, how the weights are held (native, with or without the CPU's
 sub-block form, or dequantized), the compute dtype, how the
 cache is quantized: a quantized cache is saved as it is stored, as its three arrays). Loading
@@ -97,6 +98,9 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
             parts = kv_arrays(kv_map(lambda a: mx.contiguous(a[..., :slots, :]), buffer))
             names = [f"layers.{i}.{name}"] if len(parts) == 1 else [f"layers.{i}.{name}.{p}" for p in QUANTIZED_PARTS]
             arrays.update(zip(names, parts))
+        if layer.keys_by_channel and len(ids) % CHANNEL_BLOCK:
+            held, opened = layer.copies
+            arrays[f"layers.{i}.keys.open"] = mx.contiguous(held[:, :, open_block(len(ids)) - opened :])
     mx.eval(list(arrays.values()))
     metadata = {"format": FORMAT, "model": os.path.basename(runtime.path), "model_identity": model_identity(runtime.path),
                 "settings": json.dumps(settings_of(runtime, template)), "checksum": checksum(arrays), "text": text}
@@ -104,11 +108,17 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
     return os.path.getsize(path)
 
 
+def open_block(n: int) -> int:
+    """The first position of the block that position n - 1 is in, for keys by channel."""
+    return (n - 1) // CHANNEL_BLOCK * CHANNEL_BLOCK
+
+
 @dataclass
 class SavedPrefix:
     path: str
     ids: list[int]
     layers: list[tuple[Buffer, Buffer]]
+    copies: list[tuple] | None = None  # keys by channel: each layer's KVCache.copies, where the file has them
 
     def check_starts(self, ids: list[int]) -> None:
         """A prompt that does not start with the saved prefix is an error: reusing it would be wrong."""
@@ -121,7 +131,7 @@ class SavedPrefix:
         """A prompt cache holding the prefix (`into`, or one just large enough), for generate, chat
         and batch to take it from."""
         store = into or PromptCache(sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.layers))
-        store.store(self.ids, self.layers, copy=False)
+        store.store(self.ids, self.layers, copy=False, copies=self.copies or ())
         return store
 
 
@@ -170,7 +180,8 @@ def load(path: str, runtime, template: Template) -> SavedPrefix:
     for key, name in SETTING_NAMES.items():
         if saved.get(key) != ours[key]:
             raise MlxLlamaError(f"{path}: made with {name} {saved.get(key)!r}, this run has {ours[key]!r}")
-    return SavedPrefix(path, _ids(path, arrays), _layers(path, arrays, runtime))
+    ids = _ids(path, arrays)
+    return SavedPrefix(path, ids, _layers(path, arrays, runtime), _copies(path, arrays, runtime, len(ids)))
 
 
 def _ids(path: str, arrays: dict) -> list[int]:
@@ -198,10 +209,30 @@ def _layers(path: str, arrays: dict, runtime) -> list[tuple[Buffer, Buffer]]:
             pair.append(tuple(parts) if len(parts) > 1 else parts[0])
         layers.append(tuple(pair))
     taken = (len(expected["keys"]) + len(expected["values"])) * config.n_layers
-    if len(arrays) != 1 + taken:
-        raise MlxLlamaError(f"{path}: holds {len(arrays) - 1} layer arrays, the model's {config.n_layers} layers"
-                            f" take {taken}")
+    opens = sum(f"layers.{i}.keys.open" in arrays for i in range(config.n_layers))
+    if len(arrays) - opens != 1 + taken:
+        raise MlxLlamaError(f"{path}: holds {len(arrays) - 1 - opens} layer arrays, the model's {config.n_layers}"
+                            f" layers take {taken}")
     return layers
+
+
+def _copies(path: str, arrays: dict, runtime, n: int) -> list[tuple] | None:
+    """Keys by channel: each layer's copies of the keys of the block the prefix ends in, where the
+    file holds them (a file saved before it did restores without them: that block's keys are
+    refilled from their codes, rounded once more); None where there are none to hold."""
+    model = runtime.model
+    q = model.kv_quantization
+    if q is None or not q.keys_by_channel or n <= q.start or not n % CHANNEL_BLOCK:
+        return None
+    c, first = model.config, open_block(n)
+    shape = (1, c.n_kv_heads, n - first, c.head_dim)
+    held = [arrays.get(f"layers.{i}.keys.open") for i in range(c.n_layers)]
+    if all(a is None for a in held):
+        return None
+    for i, a in enumerate(held):
+        if a is None or a.shape != shape or a.dtype != model.compute_dtype:
+            raise MlxLlamaError(f"{path}: layers.{i}.keys.open is missing or not {list(shape)} {model.compute_dtype}")
+    return [(a, first) for a in held]
 
 
 def _stored_layout(model, n: int, name: str) -> list[tuple[str, tuple, mx.Dtype]]:
