@@ -600,8 +600,9 @@ class BatchKVCache:
     attends over the same values in the same order as it would alone; the slots past a row's
     length (zeros, or stale values of a row that left) are hidden by `mask`. With a quantization,
     the rows are stored quantized once the longest passes its start, or once a quantized row joins.
-    Keys by channel keep each row's full-precision copies of its last blocks, as KVCache does, in
-    one array: slot j of row r holds position _open_from[r] + j.
+    Keys by channel keep each row's full-precision copies of the keys of the block it fills (from
+    the block of its length before the last call on), as KVCache keeps one sequence's, in one
+    array: slot j of row r holds position _open_from[r] + j.
     """
 
     def __init__(self, quantization: KVQuantization | None = None):
