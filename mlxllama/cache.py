@@ -143,6 +143,11 @@ def whole_blocks(slots: int, block: int = CHANNEL_BLOCK) -> int:
     return -(-slots // block) * block
 
 
+def block_start(positions):
+    """The first position of the block each of `positions` (an int, or a numpy array) falls in."""
+    return positions - positions % CHANNEL_BLOCK
+
+
 def kv_label(quantization: KVQuantization | None) -> str:
     """The settings that say how a cache stores keys and values, as the options give them."""
     if quantization is None:
@@ -271,7 +276,7 @@ class KVCache:
             return keys, values, self.offset
         if not self.quantized and self.keys is not None:
             if self.quantization.keys_by_channel:
-                first = max(self.start, self.offset - self.offset % CHANNEL_BLOCK - CHANNEL_BLOCK)
+                first = max(self.start, block_start(self.offset) - CHANNEL_BLOCK)
                 held = slot_range(self.keys, self.slot_of(first), self.slot_of(self.offset))
                 self._open, self._open_from = (held if self.offset > first else None), first
             self.keys, self.values = self.quantization.encode(self.keys, self.values)
@@ -279,8 +284,8 @@ class KVCache:
             return *self.quantization.encode(keys, values), self.offset
         if self._open is not None:
             keys = mx.concatenate([self._open, keys], axis=2)  # positions _open_from on
-        first, end = self.offset - self.offset % CHANNEL_BLOCK, self._open_from + keys.shape[2]
-        kept_from = max(self._open_from, end - end % CHANNEL_BLOCK - CHANNEL_BLOCK)
+        first, end = block_start(self.offset), self._open_from + keys.shape[2]
+        kept_from = max(self._open_from, block_start(end) - CHANNEL_BLOCK)
         stored = self.quantization.encode(keys[:, :, first - self._open_from :], values)
         self._open, self._open_from = keys[:, :, kept_from - self._open_from :], kept_from
         return *stored, first
@@ -292,8 +297,8 @@ class KVCache:
         the block is stored again)."""
         if not self.keys_by_channel:
             return
-        filled = self.offset % CHANNEL_BLOCK
-        first = self.offset - filled
+        first = block_start(self.offset)
+        filled = self.offset - first
         if copies_kept and self._open_from <= first:
             kept = self.offset - self._open_from
             self._open = self._open[:, :, :kept] if kept else None
@@ -662,7 +667,7 @@ class BatchKVCache:
         grouped prefill's padding, rejected drafts) never cuts a row back further."""
         rows, heads, new, head_dim = keys.shape
         lengths, opened = np.array(self.lengths), np.array(self._open_from)
-        ends, firsts = lengths + new, lengths - lengths % CHANNEL_BLOCK
+        ends, firsts = lengths + new, block_start(lengths)
         real_ends = ends if self._real_lengths is None else np.minimum(ends, self._real_lengths)
         held = int((lengths - opened).max())
         window = mx.zeros((rows, heads, held + new, head_dim), keys.dtype)
@@ -685,7 +690,7 @@ class BatchKVCache:
         copies (row_copies)."""
         copies = ()
         if self.quantization.keys_by_channel:
-            first = length - length % CHANNEL_BLOCK
+            first = block_start(length)
             copies = (self._taken(keys, np.array([first]), length - first), first)
         return *self.quantization.encode(keys, values), copies
 
@@ -704,7 +709,7 @@ class BatchKVCache:
             return
         if self.quantization.keys_by_channel:
             lengths = np.array(self.lengths)
-            firsts = lengths - lengths % CHANNEL_BLOCK
+            firsts = block_start(lengths)
             self._open, self._open_from = self._taken(self.keys, firsts, int((lengths - firsts).max(initial=0))), firsts.tolist()
         self.keys, self.values = self.quantization.encode(self.keys, self.values)
 
@@ -979,7 +984,7 @@ class RingKVCache(BatchKVCache):
         key_wanted = wanted
         if self.quantization is not None and self.quantization.keys_by_channel:
             tail = max(self.keep, length - self.window)
-            key_wanted = (positions < self.keep) | (positions >= tail - tail % CHANNEL_BLOCK)
+            key_wanted = (positions < self.keep) | (positions >= block_start(tail))
         key_positions, key_slots = positions[key_wanted], slots[key_wanted]
         if cache.keys_by_channel and length % CHANNEL_BLOCK:  # the rest of its last block's slots
             rest = whole_blocks(length) - length

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import CHANNEL_BLOCK, Buffer, KVCache, keeps_window, kv_map, kv_nbytes, slot_range, whole_blocks
+from .cache import Buffer, KVCache, block_start, keeps_window, kv_map, kv_nbytes, slot_range, whole_blocks
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _cut_copies(copies: tuple, length: int) -> tuple:
     if not copies:
         return ()
     held, opened = copies
-    if opened > length - length % CHANNEL_BLOCK:
+    if opened > block_start(length):
         return ()
     return (mx.contiguous(held[:, :, : length - opened]) if length > opened else None), opened
 

@@ -3,10 +3,11 @@ saved with everything they depend on, so a later run prefills only what follows 
 
 A file is safetensors: the prefix's token ids, each layer's keys and values for those positions
 (keys by channel: with the full-precision keys of the block the prefix ends in, which the cache
-keeps to store that block again whole, `layers.{i}.keys.open`), and in its metadata the model file's identity and the settings that change the keys and values
-(the template, the context length, how the weights are held (native, with or without the CPU's
-sub-block form, or dequantized), the compute dtype, how the
-cache is quantized: a quantized cache is saved as it is stored, as its three arrays). Loading
+keeps to store that block again whole, `layers.{i}.keys.open`), and in its metadata the model
+file's identity and the settings that change the keys and values (the template, the context
+length, how the weights are held (native, with or without the CPU's sub-block form, or
+dequantized), the compute dtype, how the cache is quantized: a quantized cache is saved as it is
+stored, as its three arrays). Loading
 checks all of them against the run and refuses, in one line, a file that does not match: a cache
 made for another model or with other settings would give wrong output, not an error.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import CHANNEL_BLOCK, Buffer, kv_arrays, kv_label, kv_map, kv_nbytes, whole_blocks
+from .cache import CHANNEL_BLOCK, Buffer, block_start, kv_arrays, kv_label, kv_map, kv_nbytes, whole_blocks
 from .errors import MlxLlamaError, count
 from .files import replace_atomically
 from .generate import prefill
@@ -100,17 +101,12 @@ def save(path: str, runtime, template: Template, ids: list[int], text: str) -> i
             arrays.update(zip(names, parts))
         if layer.keys_by_channel and len(ids) % CHANNEL_BLOCK:
             held, opened = layer.copies
-            arrays[f"layers.{i}.keys.open"] = mx.contiguous(held[:, :, open_block(len(ids)) - opened :])
+            arrays[f"layers.{i}.keys.open"] = mx.contiguous(held[:, :, block_start(len(ids)) - opened :])
     mx.eval(list(arrays.values()))
     metadata = {"format": FORMAT, "model": os.path.basename(runtime.path), "model_identity": model_identity(runtime.path),
                 "settings": json.dumps(settings_of(runtime, template)), "checksum": checksum(arrays), "text": text}
     replace_atomically(path, lambda temp: mx.save_safetensors(temp, arrays, metadata), suffix=".safetensors")
     return os.path.getsize(path)
-
-
-def open_block(n: int) -> int:
-    """The first position of the block that position n - 1 is in, for keys by channel."""
-    return (n - 1) // CHANNEL_BLOCK * CHANNEL_BLOCK
 
 
 @dataclass
@@ -224,7 +220,7 @@ def _copies(path: str, arrays: dict, runtime, n: int) -> list[tuple] | None:
     q = model.kv_quantization
     if q is None or not q.keys_by_channel or n <= q.start or not n % CHANNEL_BLOCK:
         return None
-    c, first = model.config, open_block(n)
+    c, first = model.config, block_start(n)
     shape = (1, c.n_kv_heads, n - first, c.head_dim)
     held = [arrays.get(f"layers.{i}.keys.open") for i in range(c.n_layers)]
     if all(a is None for a in held):
