@@ -1,12 +1,13 @@
 """The CUDA kernels' decode speed at depth under other attention settings (CUDA only), side by side in one process.
 
     python benchmarks/attention_depth.py MODEL.gguf [--depths 0,4096,8192] [--batches 1,16]
-        [--query-heads 8,4] [--runs-limits 64,128] [-n 128] [-r 2] [--json OUT.jsonl]
+        [--query-heads 8,4] [--runs-limits 64,128] [--staged-keys 1,0] [-n 128] [-r 2] [--json OUT.jsonl]
 
-Each variant is one setting of the two numbers that shape attention_items (mlxllama/cuda): the
-query heads a warp takes at once (decode_step.cu's MAX_QUERY_HEADS, patched into the kernels'
-source) and the runs a head group's slots may be cut into (kernels.RUNS_LIMIT); every pair of the
-values given, the shipped setting first. For each, `mlxllama bench`'s tg (bench.run: -p 0, its -n, -r, -b and -d) with the kernels: one
+Each variant is one setting of what shapes attention_items (mlxllama/cuda): the query heads a warp
+takes at once (decode_step.cu's MAX_QUERY_HEADS, patched into the kernels' source), the runs a
+head group's slots may be cut into (kernels.RUNS_LIMIT) and whether a plain cache's keys are staged
+in shared memory (KernelStep.stage_keys); every combination of the values given, the shipped
+setting first, and with `--rounds` all of them again in turn. For each, `mlxllama bench`'s tg (bench.run: -p 0, its -n, -r, -b and -d) with the kernels: one
 line a variant and test, and the rows as JSON lines with --json.
 """
 
@@ -20,24 +21,28 @@ import mlx.core as mx
 
 from mlxllama import bench
 from mlxllama.cuda import kernels
+from mlxllama.cuda.step import KernelStep
 from mlxllama.errors import MlxLlamaError
 
-SHIPPED = {"query_heads": kernels.MAX_QUERY_HEADS, "runs_limit": kernels.RUNS_LIMIT}
+SHIPPED = {"query_heads": kernels.MAX_QUERY_HEADS, "runs_limit": kernels.RUNS_LIMIT,
+           "staged_keys": int(KernelStep.stage_keys)}
 
 
-def use(query_heads: int, runs_limit: int) -> None:
-    """The kernels built from now on take `query_heads` and `runs_limit`."""
+def use(query_heads: int, runs_limit: int, staged_keys: int) -> None:
+    """The kernels built from now on take `query_heads`, `runs_limit` and `staged_keys`."""
     def patched(source: str) -> str:
         return re.sub(r"constexpr int MAX_QUERY_HEADS = \d+;", f"constexpr int MAX_QUERY_HEADS = {query_heads};",
                       source)
     kernels.HEADER, kernels.BATCH_HEADER = patched(kernels.HEADER), patched(kernels.BATCH_HEADER)
     kernels.MAX_QUERY_HEADS, kernels.RUNS_LIMIT = query_heads, runs_limit
+    KernelStep.stage_keys = bool(staged_keys)
     kernels.kernel.cache_clear()
 
 
-def variants(query_heads: list[int], runs_limits: list[int]) -> list[dict[str, int]]:
-    pairs = [dict(query_heads=q, runs_limit=r) for q in query_heads for r in runs_limits]
-    return [SHIPPED] + [pair for pair in pairs if pair != SHIPPED]
+def variants(query_heads: list[int], runs_limits: list[int], staged_keys: list[int]) -> list[dict[str, int]]:
+    settings = [dict(query_heads=q, runs_limit=r, staged_keys=k) for q in query_heads for r in runs_limits
+                for k in staged_keys]
+    return [SHIPPED] + [setting for setting in settings if setting != SHIPPED]
 
 
 def numbers(text: str) -> list[int]:
@@ -51,6 +56,8 @@ def main():
     parser.add_argument("--batches", type=numbers, default=[1, 16])
     parser.add_argument("--query-heads", type=numbers, default=[8, 4])
     parser.add_argument("--runs-limits", type=numbers, default=[64, 128])
+    parser.add_argument("--staged-keys", type=numbers, default=[1])
+    parser.add_argument("--rounds", type=int, default=1, help="times every variant is run, in turn")
     parser.add_argument("-n", "--n-gen", type=int, default=128)
     parser.add_argument("-r", "--repetitions", type=int, default=2)
     parser.add_argument("--json", help="write each variant's tests as JSON lines here")
@@ -58,7 +65,8 @@ def main():
     if not mx.cuda.is_available():
         raise SystemExit("attention_depth.py: needs MLX's CUDA backend")
     rows = []
-    for variant in variants(args.query_heads, args.runs_limits):
+    for round_, variant in ((r, v) for r in range(args.rounds)
+                            for v in variants(args.query_heads, args.runs_limits, args.staged_keys)):
         use(**variant)
         try:
             report = bench.run(args.model, n_prompt=0, n_gen=args.n_gen, batches=tuple(args.batches),
@@ -68,8 +76,8 @@ def main():
         if report.mode != "native+kernels":
             raise SystemExit(f"attention_depth.py: {args.model} does not decode through the CUDA kernels")
         for test in report.tests:
-            row = dict(variant, batch=test.batch, depth=test.depth, tokens_per_second=round(test.median, 1),
-                       stdev=round(test.stdev, 1))
+            row = dict(variant, round=round_, batch=test.batch, depth=test.depth,
+                       tokens_per_second=round(test.median, 1), stdev=round(test.stdev, 1))
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -68,12 +68,14 @@ def wrapper(function: str, header: str, cache: KVQuantization | None, batch: boo
     values = dict(TINYLLAMA, KEY_BITS=key_bits, VALUE_BITS=value_bits, KV_GROUP=group)
     arguments = [str(values[name]) for name in kernels.LAYER_TEMPLATE]
     shape = SimpleNamespace(n_heads=TINYLLAMA["HEADS"], n_kv_heads=TINYLLAMA["KV_HEADS"])
+    # Keys staged in shared memory, as step.py does for TinyLlama's shapes on an H100.
+    staged = "true"
     if batch:  # two tiles of sequences, as step.py's _batch_layer takes 16
         runs = kernels.max_runs(H100_SMS, shape, 2 * kernels.SEQ_TILE)
-        arguments = ["2"] + arguments + [str(runs)]
+        arguments = ["2"] + arguments + [str(runs), staged]
     else:
         runs = kernels.max_runs(H100_SMS, shape, quantized=key_bits > 0)
-        arguments = arguments + [str(kernels.FFN_ROWS), str(runs)]
+        arguments = arguments + [str(kernels.FFN_ROWS), str(runs), staged]
     call = f"{function}<{', '.join(arguments + list(types.values()))}>({', '.join(n for _, n in parameters)});"
     declared = ", ".join(f"{kind} {name}" for kind, name in parameters)
     return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n{header}\n"

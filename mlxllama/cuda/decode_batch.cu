@@ -305,8 +305,8 @@ __device__ void residual_tiles(const uint32_t* w, const S* scales, const S* bias
 template <int NT, int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS,
           int HEADS, int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
-          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int MAX_RUNS, typename N, typename S, typename B, typename C,
-          typename KS>
+          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int MAX_RUNS, bool STAGED_KEYS, typename N, typename S,
+          typename B, typename C, typename KS>
 __device__ void batch_layer_kernel(const float* x, int seqs, const int32_t* cache_rows, const N* attn_norm,
                                    const float* eps,
                                    const uint32_t* w_q, const S* s_q, const S* b_q, const uint32_t* w_k,
@@ -367,8 +367,8 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const int32_t* cach
   grid_barrier(arrivals);
 
   // 2. Attention, each sequence over its own length.
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, false>(seqs, positions, q, partials, attn, cache, runs_done,
-                                                              reinterpret_cast<float*>(xs));
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, false, STAGED_KEYS>(seqs, positions, q, partials, attn, cache,
+                                                                           runs_done, reinterpret_cast<float*>(xs));
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, false>(seqs, runs_done);
 

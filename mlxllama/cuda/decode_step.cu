@@ -451,7 +451,33 @@ __device__ inline void raw_words(const R& raw, uint32_t (&words)[2]) {
   }
 }
 
+// A chunk's keys that a warp copies into shared memory ahead of scoring them (STAGED_KEYS): a row a
+// lane of HEAD_DIM 16-bit values and 16 bytes of padding, so that the 8 lanes one 16-byte shared
+// load serves, reading the same bytes of their rows, hit 8 different sets of banks. kernels.py's
+// staged_key_floats mirrors this size.
+template <int HEAD_DIM>
+__device__ constexpr int staged_key_units() {
+  static_assert(HEAD_DIM % 16 == 0, "an odd number of 16-byte units a row");
+  return HEAD_DIM / 8 + 1;
+}
+
+// 16 bytes copied from global to shared memory without passing through registers (cp.async), read
+// from L2 (.cg): other blocks of the launch wrote the newest slot. Done once copies_done returns.
+__device__ inline void copy_to_shared(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+
+__device__ inline void copies_done() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 // A 16-bit cache's slots of one KV head (keys and values [slots][HEAD_DIM]), as attention_run reads them.
+// With `rows` (this warp's staged keys), each lane copies its slot's key of the next chunk into its
+// row while the warp adds the current chunk's values: a key's loads are then all in flight at once,
+// where loaded into registers as it is scored, ptxas issued them one or two at a time for want of
+// registers (docs/benchmarks.md, "Attention at depth"). Without, a lane loads its key from L2.
 template <int HEAD_DIM, int QH, typename C>
 struct PlainSlots {
   static_assert(sizeof(C) == 2 && HEAD_DIM % 32 == 0, "16-bit cache values, HEAD_DIM / 32 dims a lane");
@@ -462,17 +488,38 @@ struct PlainSlots {
   using Dims = typename Raw<per_lane * sizeof(C)>::type;
   const C* k;
   const C* v;
+  uint4* rows;
+
+  // Starts copying the key of `slot` into the lane's row.
+  __device__ void stage_key(int slot) const {
+    if (rows != nullptr) {
+      const uint4* key = reinterpret_cast<const uint4*>(k + static_cast<size_t>(slot) * HEAD_DIM);
+      uint4* row = rows + threadIdx.x % 32 * staged_key_units<HEAD_DIM>();
+#pragma unroll
+      for (int i = 0; i < HEAD_DIM / 8; ++i) {
+        copy_to_shared(row + i, key + i);
+      }
+    }
+  }
+
+  __device__ void keys_staged() const {
+    if (rows != nullptr) {
+      copies_done();
+    }
+  }
 
   __device__ Dims dims(int s) const {
     return __ldcg(reinterpret_cast<const Dims*>(v + static_cast<size_t>(s) * HEAD_DIM + threadIdx.x % 32 * per_lane));
   }
 
-  // score[h] += query h . key of `slot` (q: QH scaled queries in shared memory).
+  // score[h] += query h . key of `slot` (q: QH scaled queries in shared memory), the key staged
+  // (stage_key, keys_staged) or read from L2.
   __device__ void score(int slot, const float* q, const float*, float (&score)[QH]) const {
-    const uint4* key = reinterpret_cast<const uint4*>(k + static_cast<size_t>(slot) * HEAD_DIM);
+    const uint4* key = rows != nullptr ? rows + threadIdx.x % 32 * staged_key_units<HEAD_DIM>()
+                                       : reinterpret_cast<const uint4*>(k + static_cast<size_t>(slot) * HEAD_DIM);
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 8; ++i) {
-      const uint4 packed = __ldcg(key + i);
+      const uint4 packed = rows != nullptr ? key[i] : __ldcg(key + i);
       const C* eight = reinterpret_cast<const C*>(&packed);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -571,6 +618,10 @@ struct QuantizedSlots {
   __device__ static int lane_group() {
     return threadIdx.x % 32 * per_lane / GS;
   }
+
+  // A lane loads its slot's key as it scores it: a group's words at once.
+  __device__ void stage_key(int) const {}
+  __device__ void keys_staged() const {}
 
   __device__ Dims dims(int s) const {
     const unsigned char* row = reinterpret_cast<const unsigned char*>(v + static_cast<size_t>(s) * value_words);
@@ -710,6 +761,9 @@ __device__ void attention_run(const float* q, const float* q_sums, Slots slots, 
       acc[h][j] = 0.0f;
     }
   }
+  if (begin < cached_end) {
+    slots.stage_key(min(begin + lane, cached_end - 1));
+  }
   for (int chunk = begin; chunk < cached_end; chunk += 32) {
     const int slot = chunk + lane;
     // Past the cached slots, the last one's values, which a weight of 0 leaves out.
@@ -723,8 +777,13 @@ __device__ void attention_run(const float* q, const float* q_sums, Slots slots, 
     for (int h = 0; h < QH; ++h) {
       score[h] = slot < cached_end ? 0.0f : negative_infinity();
     }
+    slots.keys_staged();
     if (slot < cached_end) {
       slots.score(slot, q, q_sums, score);
+    }
+    // A lane's row is its own: once it has scored its key, the next chunk's may overwrite it.
+    if (chunk + 32 < cached_end) {
+      slots.stage_key(min(chunk + 32 + lane, cached_end - 1));
     }
     float p[QH];
 #pragma unroll
@@ -843,9 +902,9 @@ struct LayerCache {
     }
   }
 
-  // The KV head's slots as attention_run reads them.
+  // The KV head's slots as attention_run reads them; a plain cache's keys staged in `rows` (PlainSlots).
   template <int QH>
-  __device__ auto slots(int seq, int kv_head) const {
+  __device__ auto slots(int seq, int kv_head, uint4* rows) const {
     const size_t row = head_row(seq, kv_head);
     if constexpr (quantized) {
       return QuantizedSlots<HEAD_DIM, QH, KEY_BITS, VALUE_BITS, KV_GROUP, KS>{
@@ -853,7 +912,7 @@ struct LayerCache {
           values + row * (HEAD_DIM * VALUE_BITS / 32), value_scales + row * groups, value_biases + row * groups,
           fresh_of(seq, 0, kv_head), fresh_of(seq, 1, kv_head), {}};
     } else {
-      return PlainSlots<HEAD_DIM, QH, C>{keys + row * HEAD_DIM, values + row * HEAD_DIM};
+      return PlainSlots<HEAD_DIM, QH, C>{keys + row * HEAD_DIM, values + row * HEAD_DIM, rows};
     }
   }
 
@@ -1005,7 +1064,9 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // for each sequence and group, zero before, made zero again by reset_runs_done after the next grid
 // barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
 // (all resident) wherever a group has more than one run. FEWER_HEADS: query_heads' `fewer`.
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, typename Cache>
+// STAGED_KEYS: a plain cache's keys are staged in shared memory after the queries (PlainSlots), where
+// step.py found room for them (kernels.attention_floats).
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
   constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
@@ -1015,6 +1076,11 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
   float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
   float* q_sums = smem + LAYER_WARPS * QH * HEAD_DIM + threadIdx.x / 32 * QH * q_groups;
+  uint4* key_rows = nullptr;
+  if constexpr (STAGED_KEYS && !Cache::quantized) {
+    key_rows = reinterpret_cast<uint4*>(smem + LAYER_WARPS * QH * (HEAD_DIM + HEAD_DIM / 32)) +
+               threadIdx.x / 32 * 32 * staged_key_units<HEAD_DIM>();
+  }
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
   for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
     const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
@@ -1037,7 +1103,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
       q_sums[lane] = sum;
     }
     __syncwarp();
-    const auto head_slots = cache.template slots<QH>(seq, kv_head);
+    const auto head_slots = cache.template slots<QH>(seq, kv_head, key_rows);
     const int end = min(r * run + run, slots);
     if (runs == 1) {
       attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
@@ -1090,8 +1156,8 @@ __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
-          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int FFN_ROWS, int MAX_RUNS, typename N, typename S, typename B,
-          typename C, typename KS>
+          int KEY_BITS, int VALUE_BITS, int KV_GROUP, int FFN_ROWS, int MAX_RUNS, bool STAGED_KEYS, typename N,
+          typename S, typename B, typename C, typename KS>
 __device__ void layer_kernel(const float* x, const N* attn_norm, const float* eps, const uint32_t* w_q, const S* s_q,
                              const S* b_q, const uint32_t* w_k, const S* s_k, const S* b_k, const uint32_t* w_v,
                              const S* s_v, const S* b_v, const B* bias_q, const B* bias_k, const B* bias_v,
@@ -1123,8 +1189,8 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0)>(1, position, q, partials, attn, cache,
-                                                                       runs_done, smem);
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS>(1, position, q, partials, attn,
+                                                                                    cache, runs_done, smem);
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, (KEY_BITS > 0)>(1, runs_done);
 

@@ -69,7 +69,7 @@ LAYER_PARAMETERS = ("x", *_ATTENTION, *_FEED_FORWARD)  # decode_step.cu's layer_
 BATCH_LAYER_PARAMETERS = ("x", ROWS, "cache_rows", *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
 HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "scales", "biases", "ROWS", "y")  # decode_step.cu's head_kernel
 # Template parameters both layer kernels take, in their order (batch_layer_kernel has NT first, and
-# layer_kernel FFN_ROWS before MAX_RUNS). KEY_BITS, VALUE_BITS and KV_GROUP describe a quantized
+# layer_kernel FFN_ROWS before MAX_RUNS; both end with MAX_RUNS and STAGED_KEYS). KEY_BITS, VALUE_BITS and KV_GROUP describe a quantized
 # cache (decode_step.cu's LayerCache), all 0 for a plain one.
 LAYER_TEMPLATE = ("Q_BITS", "Q_BIASES", "K_BITS", "K_BIASES", "V_BITS", "V_BIASES", "BIAS", "HEADS", "KV_HEADS",
                   "HEAD_DIM", "ROPE_DIM", "TRADITIONAL", "HIDDEN", "O_BITS", "O_BIASES", "GATE_BITS", "GATE_BIASES",
@@ -142,10 +142,18 @@ def head_groups(c: ModelConfig, quantized: bool = False) -> int:
     return c.n_heads // query_heads(c, quantized)
 
 
-def attention_queries_floats(c: ModelConfig) -> int:
+def staged_key_floats(head_dim: int) -> int:
+    """decode_step.cu's staged keys of one warp (staged_key_units): a chunk's 32 keys, a row of
+    head_dim float16 values and 16 bytes of padding each."""
+    return 32 * (head_dim // 2 + 4)
+
+
+def attention_floats(c: ModelConfig, staged_keys: bool) -> int:
     """Shared memory for the scaled queries of every warp's head group, and their sums over each
-    group of a quantized cache (32 values at least): as many as the larger groups of a plain cache need."""
-    return LAYER_THREADS // 32 * query_heads(c) * (c.head_dim + c.head_dim // 32)
+    group of a quantized cache (32 values at least): as many as the larger groups of a plain cache
+    need; then, with `staged_keys`, every warp's staged keys (decode_step.cu's attention_items)."""
+    warps = LAYER_THREADS // 32
+    return warps * (query_heads(c) * (c.head_dim + c.head_dim // 32) + (staged_key_floats(c.head_dim) if staged_keys else 0))
 
 
 def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
@@ -157,10 +165,10 @@ def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
             and c.head_dim // 32 * min(quantization.bits, quantization.bits_of_keys) % 8 == 0)
 
 
-def layer_shared_floats(c: ModelConfig) -> int:
-    """layer_kernel's shared memory: the largest staged input, or the attention's queries."""
+def layer_shared_floats(c: ModelConfig, staged_keys: bool) -> int:
+    """layer_kernel's shared memory: the largest staged input, or the attention's queries (and keys)."""
     return max(staged_floats(c.hidden_size), staged_floats(c.ffn_size), staged_floats(c.n_heads * c.head_dim),
-               attention_queries_floats(c))
+               attention_floats(c, staged_keys))
 
 
 def batch_stride(k: int) -> int:
@@ -168,13 +176,14 @@ def batch_stride(k: int) -> int:
     return k + (32 if k % 64 == 0 else 0)
 
 
-def batch_shared_floats(c: ModelConfig, tiles: int) -> int:
+def batch_shared_floats(c: ModelConfig, tiles: int, staged_keys: bool) -> int:
     """batch_layer_kernel's shared memory for `tiles` * 8 sequences: two matrices' fragments of
-    every warp, then the largest staged input (float16 values, float32 group sums) or the attention's queries."""
+    every warp, then the largest staged input (float16 values, float32 group sums) or the
+    attention's queries (and keys)."""
     seqs = tiles * SEQ_TILE
     staged = max(seqs * batch_stride(k) // 2 + seqs * k // GROUP
                  for k in (c.hidden_size, c.n_heads * c.head_dim, c.ffn_size))
-    return 2 * LAYER_THREADS * tiles * 4 + max(staged, attention_queries_floats(c))
+    return 2 * LAYER_THREADS * tiles * 4 + max(staged, attention_floats(c, staged_keys))
 
 
 def max_runs(blocks: int, c: ModelConfig, seqs: int = 1, quantized: bool = False) -> int:

@@ -75,6 +75,9 @@ class KernelStep:
     """
 
     uses_kernels = True
+    # Whether attention may stage keys in shared memory (benchmarks/attention_depth.py turns it off
+    # to measure what staging buys).
+    stage_keys = True
 
     def __init__(self, model: Transformer, fallback: DecodeStep, blocks: int, shared_bytes: int = 0):
         c = self.config = model.config
@@ -86,9 +89,15 @@ class KernelStep:
         self.embed, self.compute_dtype = model.token_embd, model.compute_dtype
         self.head_norm = model.output_norm
         self.head_linear = model.token_embd.as_linear if c.tied_output else model.output
+        # Attention stages a plain cache's keys in shared memory where there is room for them
+        # (decode_step.cu's PlainSlots says why); a quantized cache's it never does.
+        self.staged_keys = self.stage_keys and 4 * kernels.layer_shared_floats(c, staged_keys=True) <= shared_bytes
+        tiles = MAX_BATCH // SEQ_TILE
+        self.batch_staged_keys = (self.stage_keys
+                                  and 4 * kernels.batch_shared_floats(c, tiles, staged_keys=True) <= shared_bytes)
         # batch_layer_kernel takes whole tiles of 16 rows and must hold 16 sequences' inputs.
         self.batches = (c.hidden_size % 16 == 0 and c.ffn_size % 16 == 0
-                        and 4 * kernels.batch_shared_floats(c, MAX_BATCH // SEQ_TILE) <= shared_bytes)
+                        and 4 * kernels.batch_shared_floats(c, tiles, self.batch_staged_keys) <= shared_bytes)
         self._batch_scratch: dict[int, mx.array] = {}
         # Sized by a plain cache's runs of slots a head group (kernels.max_runs), which a quantized
         # cache's smaller head groups never exceed.
@@ -220,10 +229,11 @@ class KernelStep:
         kernel's steps hand on) and never overlap: each takes the previous one's output.
         """
         runs = kernels.max_runs(self.blocks, self.config, quantized=_quantized(cache))
-        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", runs)]
+        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", runs),
+                                                         ("STAGED_KEYS", self.staged_keys)]
         inputs = self._layer_inputs(layer, x=x, position=position, scratch=self.scratch, **cache)
         return self._launch_layer("layer_kernel", kernels.LAYER_PARAMETERS, template, inputs,
-                                  kernels.layer_shared_floats(self.config), batch=False)
+                                  kernels.layer_shared_floats(self.config, self.staged_keys), batch=False)
 
     def _batch_forward(self, tokens: mx.array, positions: mx.array, cache_rows: mx.array,
                        *buffers: mx.array) -> mx.array:
@@ -239,11 +249,12 @@ class KernelStep:
         """_layer for x [sequences, hidden], through batch_layer_kernel with enough 8-sequence tiles
         for them, sequence s at positions[s] in row cache_rows[s] of the cache."""
         tiles = -(-x.shape[0] // SEQ_TILE)
-        template = [("NT", tiles)] + self._layer_template(layer, cache) + [("MAX_RUNS", self._batch_max_runs(tiles))]
+        template = [("NT", tiles)] + self._layer_template(layer, cache) + [("MAX_RUNS", self._batch_max_runs(tiles)),
+                                                                           ("STAGED_KEYS", self.batch_staged_keys)]
         inputs = self._layer_inputs(layer, x=x, position=positions, cache_rows=cache_rows,
                                     scratch=self._batch_scratch[tiles], **cache)
         return self._launch_layer("batch_layer_kernel", kernels.BATCH_LAYER_PARAMETERS, template, inputs,
-                                  kernels.batch_shared_floats(self.config, tiles), batch=True)
+                                  kernels.batch_shared_floats(self.config, tiles, self.batch_staged_keys), batch=True)
 
     def _launch_layer(self, function: str, parameters: tuple[str, ...], template: list[tuple[str, object]],
                       inputs: dict[str, mx.array], shared_floats: int, batch: bool) -> mx.array:

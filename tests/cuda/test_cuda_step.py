@@ -22,6 +22,7 @@ from mlxllama import synthetic
 from mlxllama.batching import Request, batch_generate
 from mlxllama.cache import KVQuantization, kv_map
 from mlxllama.cuda import KernelStep, kernels
+from mlxllama.cuda.step import device_limits
 from mlxllama.generate import prefill
 from mlxllama.prompt import Template, build_prompt, messages_for
 from mlxllama.quants import to_affine
@@ -88,16 +89,19 @@ def test_kernel_step_matches_the_plain_step(name):
 
 
 @on_cuda
-@pytest.mark.parametrize("blocks,length", [(None, 70), (None, 300), (3, 300)])
-def test_kernel_step_over_many_runs_of_slots(blocks, length):
+@pytest.mark.parametrize("blocks,length,staged", [(None, 70, True), (None, 300, True), (3, 300, False), (1, 300, True)])
+def test_kernel_step_over_many_runs_of_slots(blocks, length, staged):
     """chat-tiny's 8 heads in 2 groups of 4 (kernels.query_heads). 70 cached slots on the whole GPU:
     3 runs of one chunk (32 slots), fewer than a group's heads, so one of the warps that combine
     them takes two; 300: 10 runs, the last 4 warps done each combining a head; on 3 blocks, 10
-    runs too, from a MAX_RUNS of 24."""
+    runs too, from a MAX_RUNS of 24, with the keys read from L2 (no shared memory for staging
+    them); on 1 block, 5 runs of two chunks (MAX_RUNS 8), the second chunk's keys staged while the
+    first's values are added."""
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     step = runtime.model.decode_step
     if blocks is not None:
-        step = KernelStep(runtime.model, step.fallback, blocks)
+        step = KernelStep(runtime.model, step.fallback, blocks, device_limits()[1] if staged else 0)
+    assert step.staged_keys == staged
     assert kernels.query_heads(runtime.config) == 4
     ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, length).tolist()
     assert_steps_match(runtime.model, step, ids)
@@ -408,7 +412,20 @@ def test_batched_kernel_takes_up_to_16_rows_where_their_inputs_fit_in_shared_mem
     assert small.takes(1) and not small.takes(2)
     # 16 rows of TinyLlama-1.1B's shapes: the down projection's 5632 inputs each, in float16 (~220 KB in all).
     tinyllama = replace(runtime.config, hidden_size=2048, n_heads=32, n_kv_heads=4, head_dim=64, ffn_size=5632)
-    assert 200_000 < 4 * kernels.batch_shared_floats(tinyllama, 2) <= 232448
+    assert 200_000 < 4 * kernels.batch_shared_floats(tinyllama, 2, staged_keys=True) <= 232448
+
+
+def test_attention_stages_keys_only_where_shared_memory_has_room_for_them():
+    runtime = load_as_on_cuda(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    plain, c = runtime.model.decode_step, runtime.config
+    with_keys = 4 * kernels.layer_shared_floats(c, staged_keys=True)
+    without = 4 * kernels.layer_shared_floats(c, staged_keys=False)
+    # 16 warps' rows of 32 keys: head_dim float16 values and 16 bytes of padding each.
+    assert with_keys - without == 16 * 32 * (2 * c.head_dim + 16)
+    roomy = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys)
+    assert roomy.staged_keys and roomy.takes(1)
+    tight = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys - 4)
+    assert not tight.staged_keys and tight.takes(1)
 
 
 @pytest.fixture(scope="module")
