@@ -744,7 +744,7 @@ struct QuantizedSlots {
 // [HEAD_DIM] where `whole` (the run is all the slots), else its weighted values [HEAD_DIM], max
 // score and sum of exponentials, for combine_runs.
 // Each lane loads its dims of every slot of a chunk (or of half of one) before it adds the first:
-// one wait for L2 a chunk, not one a slot.
+// one wait for L2 a chunk, not one a slot. A plain cache's keys may come staged a chunk ahead (PlainSlots).
 template <int HEAD_DIM, int QH, typename Slots>
 __device__ void attention_run(const float* q, const float* q_sums, Slots slots, int begin, int end, bool fresh_last,
                               float* out, int out_stride, bool whole) {
