@@ -469,8 +469,8 @@ def quantized_products_run(head_dim: int, quantization: KVQuantization) -> bool:
     """Whether MLX's quantized products take keys and values stored so. Its CUDA build (0.32) has
     no kernel for many of attention's shapes (a single key, a head of one group: "No implementation
     for problem shape"), so there, and for heads of one group anywhere, they are dequantized first.
-    So are keys stored by channel: MLX's product takes keys quantized along positions only laid out
-    [head_dim, positions], and the cache lays them out by slot, as it writes any buffer."""
+    So are keys stored by channel: MLX's product reads them only a block of 32 positions at a time,
+    which on the CPU took 7-8 times as long (docs/benchmarks.md, "Quantized KV cache")."""
     return (quantization.group_size < head_dim and not quantization.keys_by_channel
             and not (mx.default_device() == mx.gpu and mx.cuda.is_available()))
 
