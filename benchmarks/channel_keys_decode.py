@@ -91,7 +91,8 @@ def main() -> None:
 
         difference = mx.abs(shipped().astype(mx.float32) - attention_by_block_products(q, view, values, 0.125)).max()
         print(f"largest difference of the two attentions' outputs: {difference.item():.2e}")
-        variants = (("shipped", shipped), ("block products", lambda: attention_by_block_products(q, view, values, 0.125)))
+        variants = (("shipped", shipped),
+                    ("block products", lambda: attention_by_block_products(q, view, values, 0.125)))
         what = "a layer's attention of one query"
     for name, decode in variants:
         for _ in range(5):

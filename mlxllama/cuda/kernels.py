@@ -69,8 +69,8 @@ LAYER_PARAMETERS = ("x", *_ATTENTION, *_FEED_FORWARD)  # decode_step.cu's layer_
 BATCH_LAYER_PARAMETERS = ("x", ROWS, "cache_rows", *_ATTENTION, *_FEED_FORWARD)  # decode_batch.cu's batch_layer_kernel
 HEAD_PARAMETERS = ("x", "norm_w", "eps", "w", "scales", "biases", "ROWS", "y")  # decode_step.cu's head_kernel
 # Template parameters both layer kernels take, in their order (batch_layer_kernel has NT first, and
-# layer_kernel FFN_ROWS before MAX_RUNS; both end with MAX_RUNS and STAGED_KEYS). KEY_BITS, VALUE_BITS and KV_GROUP describe a quantized
-# cache (decode_step.cu's LayerCache), all 0 for a plain one.
+# layer_kernel FFN_ROWS before MAX_RUNS; both end with MAX_RUNS and STAGED_KEYS). KEY_BITS,
+# VALUE_BITS and KV_GROUP describe a quantized cache (decode_step.cu's LayerCache), all 0 for a plain one.
 LAYER_TEMPLATE = ("Q_BITS", "Q_BIASES", "K_BITS", "K_BIASES", "V_BITS", "V_BIASES", "BIAS", "HEADS", "KV_HEADS",
                   "HEAD_DIM", "ROPE_DIM", "TRADITIONAL", "HIDDEN", "O_BITS", "O_BIASES", "GATE_BITS", "GATE_BIASES",
                   "UP_BITS", "UP_BIASES", "DOWN_BITS", "DOWN_BIASES", "FFN", "KEY_BITS", "VALUE_BITS", "KV_GROUP")
@@ -152,8 +152,8 @@ def attention_floats(c: ModelConfig, staged_keys: bool) -> int:
     """Shared memory for the scaled queries of every warp's head group, and their sums over each
     group of a quantized cache (32 values at least): as many as the larger groups of a plain cache
     need; then, with `staged_keys`, every warp's staged keys (decode_step.cu's attention_items)."""
-    warps = LAYER_THREADS // 32
-    return warps * (query_heads(c) * (c.head_dim + c.head_dim // 32) + (staged_key_floats(c.head_dim) if staged_keys else 0))
+    queries = query_heads(c) * (c.head_dim + c.head_dim // 32)
+    return LAYER_THREADS // 32 * (queries + (staged_key_floats(c.head_dim) if staged_keys else 0))
 
 
 def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
