@@ -1,21 +1,23 @@
-"""Q6_K held at 6 bits: what it would save and what it would cost against llama.cpp.
+"""Q6_K's affine forms against llama.cpp: the two held at 8 bits, and 6 bits, measured and not taken.
 
-Native mode on a GPU holds Q6_K in MLX's affine form at 8.5 bits a weight (quants._affine_q6_k: 8
-bits in MLX's groups of 32, biases derived), 1.3x the file's 6.56, which is what keeps a Q4_K_M file
-whose token table is tied to the output (Qwen3-0.6B's) over 1.15x the file's bytes there (the CPU
-holds Q6_K exactly instead, in the sub-block form; this script loads the affine form on every
-device, as a GPU holds it). MLX 0.32 has 6-bit groups of 32: this
-script re-quantizes Q6_K to them (each group's larger sub-block sets the step, so its values stay
-exact; the other sub-block is rounded to that step) and holds native mode to the parity tests' bars
-on the fixtures that have llama.cpp references: mean KL, and llama.cpp's argmax wherever its top
-two logits differ by test_llama_parity's NEAR_TIE (0.08) or more.
+Native mode holds Q6_K in MLX's affine form at 8.5 bits a weight, 1.3x the file's 6.56, where the
+CPU's sub-block form does not take it: in groups of 32 with biases derived on each call
+(quants._affine_q6_k, the CUDA kernels' layout), or in groups of 64 with biases stored
+(quants._wide_affine_q6_k, what MLX's own products read: a launch less a projection). Each group's
+largest sub-block sets the step, so its values stay exact; the others are rounded to a quarter of
+that step. MLX 0.32 also has 6-bit groups of 32, which would hold Q6_K at 7 bits (a Q4_K_M file
+whose token table is tied to the output, Qwen3-0.6B's, under 1.15x the file's bytes): this script
+re-quantizes Q6_K to them too (the other sub-block rounded to the larger one's own step). It holds
+each form to the parity tests' bars on the fixtures that have llama.cpp references: mean KL, and
+llama.cpp's argmax wherever its top two logits differ by test_llama_parity's NEAR_TIE (0.08) or more.
+Every form is loaded as MLX's products read it, on any device.
 
     python benchmarks/q6k_six_bits.py [MODEL ...]
 
 MODEL: a fixture's GGUF path, or its name to look up in tests/fixtures, mlxllama/data and
 ../shared/fixtures/models (default: the chat-tiny mixes that hold Q6_K, and types-tiny-Q6_K); its
-reference is tests/reference/llama_cpp/NAME.npz. One JSON line a model and form (8 bits as held,
-6 bits as tried).
+reference is tests/reference/llama_cpp/NAME.npz. One JSON line a model and form: its bits and group
+size ("8/32" and "8/64" held, "6/32" as tried).
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=DEFAULT)
     args = parser.parse_args()
     held = FORMATS[QT.Q6_K]
-    mlxllama.runtime.load_model = lambda *a, **options: load_model(*a, **{**options, "sub_blocks": False})
-    forms = {8: held, 6: BlockFormat(held.layout, held.decode, 6, six_bit_q6_k, requantized=True)}
+    mlxllama.runtime.load_model = lambda *a, **options: load_model(*a, **{**options, "sub_blocks": False, "wide": True})
+    pairs = BlockFormat(held.layout, held.decode, 8, held.encode, requantized=True, symmetric=True)
+    forms = {"8/32": pairs, "8/64": held, "6/32": BlockFormat(held.layout, held.decode, 6, six_bit_q6_k, requantized=True)}
     for model in args.models:
         name = Path(model).stem
         path = Path(model) if model.endswith(".gguf") else next(
@@ -85,13 +88,15 @@ def main() -> None:
         if not (REFERENCES / f"{name}.npz").exists():
             sys.exit(f"q6k_six_bits.py: {model}: no llama.cpp reference {REFERENCES / name}.npz")
         with np.load(REFERENCES / f"{name}.npz") as ref:
-            for bits, form in forms.items():
+            for label, form in forms.items():
                 FORMATS[QT.Q6_K] = form
                 try:
                     kl, flips, decided = kl_and_flips(mlxllama.load(path), ref)
                 finally:
                     FORMATS[QT.Q6_K] = held
-                print(json.dumps({"model": name, "q6_k_bits": bits, "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+                bits, group_size = (int(n) for n in label.split("/"))
+                print(json.dumps({"model": name, "q6_k_bits": bits, "group_size": group_size, "mean_kl": float(kl.mean()),
+                                  "max_kl": float(kl.max()),
                                   "argmax_flips": flips, "decided_positions": decided}), flush=True)
 
 

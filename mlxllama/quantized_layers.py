@@ -117,13 +117,15 @@ def input_typed(x: mx.array, scales: mx.array, biases: mx.array | None) -> tuple
 class NativeLinear(nn.Module):
     """A projection whose weight stays in MLX's affine format (quants.AffineWeight).
 
-    Without stored biases (the 8-bit symmetric grid of Q6_K and Q3_K) the biases, -128 x scales,
-    are derived on each call, which keeps the weight at 8.5 bits instead of 9.
+    Without stored biases (the 8-bit symmetric grid of Q3_K, and of Q6_K in the CUDA kernels'
+    groups of 32) the biases, -128 x scales, are derived on each call, which keeps the weight at
+    8.5 bits instead of 9. Q6_K in its wide form (groups of 64) stores them in those 8.5 bits.
     """
 
     def __init__(self, weight: AffineWeight, output_bias: bool):
         super().__init__()
         self.weight, self.scales, self.bits, self.qtype = weight.weight, weight.scales, weight.bits, weight.qtype
+        self.group_size = weight.group_size
         self.expand_rows = 1 if weight.qtype in GPU_EXPANDED_TYPES else DENSE_MIN_ROWS
         if weight.biases is not None:
             self.biases = weight.biases
@@ -135,12 +137,12 @@ class NativeLinear(nn.Module):
         """One layer whose output rows are the layers' outputs, in order; None unless their weights
         have one form (bits, stored biases or not, device path)."""
         first = layers[0]
-        if any(layer.bits != first.bits or layer.expand_rows != first.expand_rows
+        if any(layer.bits != first.bits or layer.group_size != first.group_size or layer.expand_rows != first.expand_rows
                or ("biases" in layer) != ("biases" in first) for layer in layers):
             return None
         arrays = [mx.concatenate([layer[n] for layer in layers]) if n in first else None
                   for n in ("weight", "scales", "biases")]
-        return cls(AffineWeight(*arrays, first.bits, first.qtype), output_bias=False)
+        return cls(AffineWeight(*arrays, first.bits, first.qtype, first.group_size), output_bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         # The arrays by item: a decode step makes about a hundred of these calls, and attribute
@@ -150,11 +152,11 @@ class NativeLinear(nn.Module):
         # slower than the same rows as [batch, in]. A single row goes as it is.
         rows = x if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
         if rows.shape[0] >= self.expand_rows and mx.default_device() == mx.gpu:
-            w = mx.dequantize(self["weight"], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+            w = mx.dequantize(self["weight"], scales, biases, group_size=self.group_size, bits=self.bits)
             y = rows @ w.astype(x.dtype).T
         else:
             y = mx.quantized_matmul(rows, self["weight"], scales, biases, transpose=True,
-                                    group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+                                    group_size=self.group_size, bits=self.bits)
         if rows is not x:
             y = y.reshape(*x.shape[:-1], -1)
         return y + self["bias"] if "bias" in self else y
@@ -174,7 +176,7 @@ class TiedEmbedding(NativeLinear):
         # dequantizes in the scales' type, so float16 scales would round every value by up to 1/2048.
         scales = self.scales[ids].astype(mx.float32)
         biases = self.biases[ids].astype(mx.float32) if "biases" in self else symmetric_biases(scales)
-        return mx.dequantize(self.weight[ids], scales, biases, group_size=AFFINE_GROUP_SIZE, bits=self.bits)
+        return mx.dequantize(self.weight[ids], scales, biases, group_size=self.group_size, bits=self.bits)
 
 
 # The partial sums a sub-block product holds at once (sub-blocks x rows x outputs, float32): a
@@ -290,13 +292,14 @@ class NativeExperts(nn.Module):
     def __init__(self, weight: AffineWeight):
         super().__init__()
         self.weight, self.scales, self.bits, self.qtype = weight.weight, weight.scales, weight.bits, weight.qtype
+        self.group_size = weight.group_size
         if weight.biases is not None:
             self.biases = weight.biases
 
     def __call__(self, x: mx.array, chosen: mx.array, sorted_indices: bool = False) -> mx.array:
         scales, biases = input_typed(x, self.scales, self.biases if "biases" in self else None)
         return mx.gather_qmm(x, self.weight, scales, biases, rhs_indices=chosen, transpose=True,
-                             group_size=AFFINE_GROUP_SIZE, bits=self.bits, sorted_indices=sorted_indices)
+                             group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices)
 
 
 def quantized_layer(module: nn.Module, weight: AffineWeight | SubBlockWeight | Blocks,

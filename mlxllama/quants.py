@@ -7,7 +7,8 @@ returns (n, block_size) float32, doing the float arithmetic in the same order as
 are bit-exact.
 
 `to_affine` re-expresses quantized blocks in the layout `mx.quantized_matmul` takes: groups of 32
-values along a row, w = scale * q + bias with unsigned q packed into uint32 words.
+values along a row (Q6_K's of 64 where MLX's own products read it: `wide`), w = scale * q + bias
+with unsigned q packed into uint32 words.
 """
 
 from __future__ import annotations
@@ -243,16 +244,22 @@ def _affine_q3_k(f: Fields):
     return v.astype(mx.uint8).reshape(n, 256), mx.broadcast_to(-d, (n, 8)), None
 
 
-def _q6_k_on_pair_grids(f: Fields, steps: int) -> tuple[mx.array, mx.array]:
-    """Q6_K's values on one grid a pair of 16-value sub-blocks: signed v (n, 8, 2, 16) and the grid's
-    step (n, 8), `steps` of it to one step of the pair's larger |scale|, so that sub-block's values
-    land exactly on the grid (v = steps x q) and the other's are rounded to it."""
+def _q6_k_on_shared_grids(f: Fields, sub_blocks: int, steps: int) -> tuple[mx.array, mx.array]:
+    """Q6_K's values on one grid every `sub_blocks` 16-value sub-blocks: signed v (n, groups,
+    sub_blocks, 16) and the grid's step (n, groups), `steps` of it to one step of the group's
+    largest |scale|, so that sub-block's values land exactly on the grid (v = steps x q) and the
+    others' are rounded to it."""
     d, scales, q = _q6_k_parts(f)
-    n = f.n
-    pairs = scales.reshape(n, 8, 2)
-    larger = mx.where(mx.abs(pairs[..., 0]) >= mx.abs(pairs[..., 1]), pairs[..., 0], pairs[..., 1])
-    ratio = pairs / mx.where(larger == 0, 1, larger)[..., None]
-    return mx.round(steps * ratio[..., None] * q.reshape(n, 8, 2, 16)), d * larger / steps
+    n, groups = f.n, 16 // sub_blocks
+    shared = scales.reshape(n, groups, sub_blocks)
+    largest = mx.take_along_axis(shared, mx.argmax(mx.abs(shared), axis=-1, keepdims=True), axis=-1)[..., 0]
+    ratio = shared / mx.where(largest == 0, 1, largest)[..., None]
+    return mx.round(steps * ratio[..., None] * q.reshape(n, groups, sub_blocks, 16)), d * largest / steps
+
+
+def _q6_k_on_pair_grids(f: Fields, steps: int) -> tuple[mx.array, mx.array]:
+    """Q6_K's values on one grid a pair of sub-blocks (_q6_k_on_shared_grids): v (n, 8, 2, 16), step (n, 8)."""
+    return _q6_k_on_shared_grids(f, 2, steps)
 
 
 def _affine_q6_k(f: Fields):
@@ -266,6 +273,19 @@ def _affine_q6_k(f: Fields):
     # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
     q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
     return q8.reshape(f.n, 256), step, None
+
+
+def _wide_affine_q6_k(f: Fields):
+    """Q6_K as _affine_q6_k holds it, but on one grid every four sub-blocks (WIDE_GROUP_SIZE
+    values), with the bias, -128 x scale, stored: the same 8.5 bits a weight, and no bias for a
+    product to derive on each call (a launch a projection a step). The largest |scale| of the four
+    sets the step; the others' values are off by at most 1/8 of its step. Measured against
+    llama.cpp on the fixtures (docs/benchmarks.md, "Bytes a weight"): mean KL up to 1.25x the pairs'
+    form's, no argmax flipped."""
+    v, step = _q6_k_on_shared_grids(f, 4, 4)
+    q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
+    scale = step.astype(AFFINE_SCALE_DTYPE)  # the bias from the scale as stored, so the grid stays exact
+    return q8.reshape(f.n, 256), scale, symmetric_biases(scale)
 
 
 def _requantized(decode: Callable[[Fields], mx.array]):
@@ -292,6 +312,8 @@ def _requantized(decode: Callable[[Fields], mx.array]):
 
 
 AFFINE_GROUP_SIZE = 32
+# The groups of a type's wide form (BlockFormat.wide): MLX's products take groups of 32, 64 or 128.
+WIDE_GROUP_SIZE = 64
 # Scales and biases are stored as float16 on every device: it keeps a Q4_K weight at 5 bits
 # (float32 would make it 6). MLX's CPU products cast them to a float32 input's type on every call,
 # 6-8% of a one-row product there (docs/benchmarks.md): memory was chosen over that.
@@ -312,6 +334,9 @@ class BlockFormat:
     requantized: bool = False
     # On a symmetric 8-bit grid: its AffineWeight stores no biases.
     symmetric: bool = False
+    # An encoder to groups of WIDE_GROUP_SIZE values with their biases stored, for MLX's own
+    # products (to_affine's `wide`); None: the type keeps groups of 32.
+    wide: Callable[[Fields], tuple] | None = None
 
     def fields(self, blocks: mx.array) -> Fields:
         return Fields(blocks, self.layout)
@@ -333,7 +358,7 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     QT.Q5_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)), _k_decode(_q5_k_q), 5,
                          _k_affine(_q5_k_q)),
     QT.Q6_K: BlockFormat((("ql", 128), ("qh", 64), ("scales", 16), _D), _q6_k, 8, _affine_q6_k, requantized=True,
-                         symmetric=True),
+                         symmetric=True, wide=_wide_affine_q6_k),
     QT.IQ4_NL: BlockFormat((_D, _QS16), _iq4_nl, 8, _affine_iq4_nl),
     QT.IQ4_XS: BlockFormat((_D, ("scales_h", 2), ("scales_l", 4), ("qs", 128)), _iq4_xs, 8, _affine_iq4_xs),
 }
@@ -388,15 +413,16 @@ _CHUNK_VALUES = 1 << 17
 
 
 class AffineWeight(NamedTuple):
-    """One 2-D tensor in MLX's affine format: every 32 values of a row share a scale and a bias."""
+    """One 2-D tensor in MLX's affine format: every group_size values of a row share a scale and a bias."""
 
     weight: mx.array  # uint32 [rows, cols * bits / 32]
-    scales: mx.array  # float16 [rows, cols / 32]
-    # float16 [rows, cols / 32]; None for a symmetric grid, whose bias is always -128 x scale
-    # (8 bits): leaving it out keeps such a weight at 8.5 bits instead of 9.
+    scales: mx.array  # float16 [rows, cols / group_size]
+    # float16 [rows, cols / group_size]; None for a symmetric grid, whose bias is always -128 x
+    # scale (8 bits): leaving it out keeps such a weight at 8.5 bits instead of 9.
     biases: mx.array | None
     bits: int
     qtype: GGMLQuantizationType
+    group_size: int = AFFINE_GROUP_SIZE
 
     def full_biases(self) -> mx.array:
         return self.biases if self.biases is not None else symmetric_biases(self.scales)
@@ -422,8 +448,11 @@ def _pack(q: mx.array, bits: int) -> mx.array:
     return mx.view(mx.contiguous(packed.reshape(n, -1)), mx.uint32)
 
 
-def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> AffineWeight:
-    """One 2-D quantized tensor's raw data (as GGUFReader gives it) in MLX's affine format, evaluated."""
+def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int],
+              wide: bool = False) -> AffineWeight:
+    """One 2-D quantized tensor's raw data (as GGUFReader gives it) in MLX's affine format, evaluated;
+    `wide`: in the type's wide form where it has one (BlockFormat.wide: Q6_K in groups of 64 with
+    its biases stored), for MLX's own products. The CUDA kernels read groups of 32 only."""
     if qtype not in AFFINE_TYPES:
         name = getattr(qtype, "name", qtype)
         raise ValueError(f"GGML type {name} has no affine form")
@@ -432,18 +461,21 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     raw, type_size = _block_rows(data, qtype, rows, cols)
     form = FORMATS[qtype]
     bits = form.bits
-    groups = cols // AFFINE_GROUP_SIZE
+    encode = form.wide if wide and form.wide else form.encode
+    group_size = WIDE_GROUP_SIZE if encode is form.wide else AFFINE_GROUP_SIZE
+    groups = cols // group_size
     out = AffineWeight(
         mx.zeros((rows, cols * bits // 32), mx.uint32),
         mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
-        None if form.symmetric else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
+        None if form.symmetric and encode is form.encode else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
         bits,
         qtype,
+        group_size,
     )
     step = max(1, _CHUNK_VALUES // cols)
     for start in range(0, rows, step):
         chunk = raw[start : start + step]
-        q, scales, biases = form.encode(form.fields(mx.array(chunk).reshape(-1, type_size)))
+        q, scales, biases = encode(form.fields(mx.array(chunk).reshape(-1, type_size)))
         n = chunk.shape[0]
         # Each slice is written in place, so the tensor is never held twice.
         out.weight[start : start + n] = _pack(q.reshape(n, cols), bits)

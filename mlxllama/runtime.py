@@ -20,6 +20,7 @@ from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
 from .quantized_layers import SubBlockLinear
+from .quants import AFFINE_GROUP_SIZE
 from .sampling import SamplingParams, make_sampler
 from .sharding import Shard, plan_shard
 from .speculative import Drafting, Speculation
@@ -68,11 +69,16 @@ class Runtime:
     @property
     def weight_form(self) -> str:
         """How the weights are held, as a saved prompt cache records it (its keys and values differ by
-        it): "dequantized", "native" (MLX's affine form), or "native, sub-blocks" (the K-types in the
-        CPU's exact form, quantized_layers.SubBlockLinear)."""
+        it): "dequantized", "native" (MLX's affine form), "native, sub-blocks" (the K-types in the
+        CPU's exact form, quantized_layers.SubBlockLinear), or "native, wide groups" (Q6_K's wide
+        form, groups of 64: quants.to_affine)."""
         if self.dequantized:
             return "dequantized"
-        return "native, sub-blocks" if any(isinstance(m, SubBlockLinear) for m in self.model.modules()) else "native"
+        modules = self.model.modules()
+        if any(isinstance(m, SubBlockLinear) for m in modules):
+            return "native, sub-blocks"
+        return "native, wide groups" if any(getattr(m, "group_size", AFFINE_GROUP_SIZE) != AFFINE_GROUP_SIZE
+                                            for m in modules) else "native"
 
     @property
     def chat_template(self) -> str | None:
@@ -193,9 +199,9 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     to `dtype` instead, the simple mode to compare against. On the CPU native mode holds Q2_K,
     Q3_K, Q4_K and Q6_K matrices in their sub-block form (quantized_layers.SubBlockLinear: the
     file's values, in about its bits). On a GPU it holds Q2_K and Q6_K matrices re-quantized to 8
-    bits a value (quants.py: their 16-value sub-blocks have no exact affine form), except a Q6_K
-    output layer under mlxllama.cuda, which keeps the file's blocks and a kernel of its own
-    (cuda/blocks.py). Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and
+    bits a value (quants.py: their 16-value sub-blocks have no exact affine form; Q6_K in groups of
+    64 with its biases stored, or of 32 where the CUDA kernels read it), except a Q6_K output layer
+    under mlxllama.cuda, which keeps the file's blocks and a kernel of its own (cuda/blocks.py). Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and
     holds the file's values (trace does, to compare against an exact reference). The decode step is
     chosen here, once: on MLX's CUDA backend a native model decodes through the kernels of
     mlxllama.cuda, and every model prefills with explicit attention
@@ -219,9 +225,10 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     kernels = not dequantize and requantize and shard is None and cuda_kernels_wanted()
     if kernels:
         from . import cuda  # here only: other platforms never read the kernels or load the CUDA driver
+    # The kernels read every affine weight in groups of 32; MLX's own products take Q6_K's wide form.
     model = load_model(gguf, architecture, config, dtype, native=not dequantize, shard=shard, requantize=requantize,
                        block_products=cuda.block_products() if kernels else None,
-                       sub_blocks=mx.default_device() == mx.cpu)
+                       sub_blocks=mx.default_device() == mx.cpu, wide=not (kernels and cuda.implemented(config)))
     model.store_kv_quantized(kv_quantization)
     if kernels:
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step

@@ -63,7 +63,7 @@ def tensor_to_mlx(path: str, tensor, dtype: mx.Dtype, shape: tuple[int, ...] | N
 
 def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: bool,
             as_blocks: bool = False, piece: Piece | None = None, requantize: bool = True,
-            sub_blocks: bool = False) -> Weight:
+            sub_blocks: bool = False, wide: bool = False) -> Weight:
     """The tensor in the form the model keeps it, evaluated.
 
     native: a quantized matrix stays quantized, as its Blocks when `as_blocks` (a token table
@@ -73,6 +73,8 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
     Without `requantize`, a matrix of a type the affine form holds only approximately (Q2_K, Q6_K:
     quants.REQUANTIZED_TYPES) is expanded to `dtype` instead, so the model holds the file's values.
+    `wide`: an AffineWeight in its type's wide form where it has one (quants.to_affine); a piece's
+    cut and trim work in groups of 32, so a split model never asks for it.
     """
     if piece is not None:
         tensor, shape, trim = cut(tensor, shape, piece)
@@ -86,11 +88,11 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     elif quantized and sub_blocks and sub_block_form_fits(tensor.tensor_type, shape):
         return to_sub_blocks(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
     elif quantized and len(shape) == 3:  # a mixture's experts [experts, out, in]: rows of every expert in turn
-        flat = to_affine(tensor.data, tensor.tensor_type, (shape[0] * shape[1], shape[2]))
+        flat = to_affine(tensor.data, tensor.tensor_type, (shape[0] * shape[1], shape[2]), wide)
         return flat._replace(**{part: getattr(flat, part).reshape(*shape[:2], -1)
                                 for part in ("weight", "scales", "biases") if getattr(flat, part) is not None})
     elif quantized:
-        return to_affine(tensor.data, tensor.tensor_type, shape)  # evaluated slice by slice
+        return to_affine(tensor.data, tensor.tensor_type, shape, wide)  # evaluated slice by slice
     else:
         # Norm weights too: a float32 weight would make each norm's output float32, and casting it
         # back is a kernel a norm (models.transformer.RMSNorm).

@@ -32,7 +32,7 @@ from .tensors import Blocks, Weight, convert
 def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, dtype: mx.Dtype,
                native: bool = True, shard: Shard | None = None, requantize: bool = True,
                block_products: Mapping[GGMLQuantizationType, BlockProduct] | None = None,
-               sub_blocks: bool = False) -> Transformer:
+               sub_blocks: bool = False, wide: bool = False) -> Transformer:
     """The model of `config` (architecture.read_config's, which checked every tensor's shape) with
     its weights loaded in the compute type `dtype`; `native` keeps quantized matrices quantized
     (`requantize`: tensors.convert).
@@ -40,7 +40,9 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     `block_products`: a backend's kernels by type; in native mode an output layer of one of those
     types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks.
     `sub_blocks` (the CPU's choice): in native mode, Q2_K, Q3_K, Q4_K and Q6_K matrices are held in
-    their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits)."""
+    their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits).
+    `wide` (where MLX's own products read the affine form: not the CUDA kernels, not a split):
+    Q6_K matrices in its wide form (quants.to_affine), groups of 64 with their biases stored."""
     kernels = block_products if native and block_products and shard is None else {}
     head = "token_embd.weight" if config.tied_output else "output.weight"
     lookup_table = None if config.tied_output else "token_embd.weight"  # only looked up: kept in its blocks
@@ -67,7 +69,7 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                         as_blocks=name == lookup_table or products[parameter] is not None,
                                         piece=shard.piece(name, config) if shard else None, requantize=requantize,
-                                        sub_blocks=sub_blocks)
+                                        sub_blocks=sub_blocks, wide=wide and shard is None)
                      for name, (parameter, shape) in part.items()}
         _load(model, converted, products)
 

@@ -52,16 +52,19 @@ def find_fixture_model(name: str) -> Path:
     skip_missing(SHARED_MODELS / name)
 
 
-def load_as_on_cuda(path, block_products=None, **options):
+def load_as_on_cuda(path, block_products=None, wide=False, **options):
     """mlxllama.load with the weights in MLX's affine form, as on CUDA (the CPU holds the K-types in
-    its sub-block form instead), and with a backend's `block_products` where given: for the tests
-    that build CUDA's pieces, or stand in for them, on any device. `options` go to mlxllama.load."""
+    its sub-block form instead): in groups of 32, as the CUDA kernels read them, or with `wide` Q6_K's
+    wide form, as MLX's own products read it there; and with a backend's `block_products` where
+    given: for the tests that build CUDA's pieces, or stand in for them, on any device. `options`
+    go to mlxllama.load."""
     from unittest.mock import patch
 
     import mlxllama.runtime
     from mlxllama.weights import load_model
 
-    forms = {"sub_blocks": False, **({"block_products": block_products} if block_products is not None else {})}
+    forms = {"sub_blocks": False, "wide": wide,
+             **({"block_products": block_products} if block_products is not None else {})}
     with patch.object(mlxllama.runtime, "load_model", lambda *args, **kw: load_model(*args, **{**kw, **forms})):
         return mlxllama.load(path, **options)
 

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 
 from ..models.transformer import DecodeStep, Transformer
 from ..quantized_layers import BlockLinear, BlockProduct, NativeLinear
+from ..quants import AFFINE_GROUP_SIZE
 from .blocks import Q6KProduct
 from .step import KernelStep, device_limits
 
@@ -23,15 +24,15 @@ def block_products() -> dict[GGMLQuantizationType, BlockProduct]:
 
 
 def kernel_step(model: Transformer, fallback: DecodeStep) -> KernelStep | None:
-    """The kernels' decode step for a model whose every projection keeps an affine weight
-    (quantized_layers.NativeLinear; the output layer may keep Q6_K blocks, BlockLinear) and whose
-    shapes the kernels take, else None."""
+    """The kernels' decode step for a model whose every projection keeps an affine weight in groups
+    of 32 (quantized_layers.NativeLinear; the output layer may keep Q6_K blocks, BlockLinear) and
+    whose shapes the kernels take, else None."""
     c = model.config
     if not implemented(c):
         return None
     layers = [layer for block in model.blk for layer in block.children().values() if not isinstance(layer, nn.RMSNorm)]
     head = model.token_embd if c.tied_output else model.output
-    if not all(isinstance(layer, NativeLinear) for layer in layers):
+    if not all(isinstance(layer, NativeLinear) and layer.group_size == AFFINE_GROUP_SIZE for layer in layers):
         return None
     if not (isinstance(head, NativeLinear) or isinstance(head, BlockLinear) and isinstance(head.product, Q6KProduct)):
         return None

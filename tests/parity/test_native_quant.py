@@ -21,10 +21,10 @@ import mlxllama.runtime
 from mlxllama.fusion import stacked
 from mlxllama.quantized_layers import BlockEmbedding, BlockLinear, NativeLinear, SubBlockLinear, TiedEmbedding, quantized_layer
 from mlxllama.tensors import Blocks
-from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, dequantize, to_affine
+from mlxllama.quants import AFFINE_TYPES, REQUANTIZED_TYPES, WIDE_GROUP_SIZE, dequantize, to_affine
 from mlxllama.step_cost import launches
 
-from conftest import find_fixture_model
+from conftest import find_fixture_model, load_as_on_cuda
 from test_llama_parity import PROMPTS, REFERENCES, assert_logits_match, reference
 
 QUANT_NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
@@ -83,6 +83,63 @@ def test_requantized_error_is_a_small_part_of_the_type_own_error(fixture_model):
     assert added_rms < 0.5 * own_rms
 
 
+def test_wide_q6_k_holds_the_pairs_bytes_with_its_biases_stored(fixture_model):
+    """Q6_K's wide form: groups of 64, each a scale and its bias (-128 x scale, stored exactly), in the
+    8.5 bits a weight of the pairs' form; within half its step of the file's values (one step where
+    v = 128 is clipped), and what it adds to Q6_K's own error well under half of it (RMS)."""
+    for tensor in gguf.GGUFReader(fixture_model("types-tiny-Q6_K.gguf")).tensors:
+        if tensor.tensor_type != QT.Q6_K:
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        exact = np.array(dequantize(tensor.data, QT.Q6_K, shape))
+        pairs, wide = to_affine(tensor.data, QT.Q6_K, shape), to_affine(tensor.data, QT.Q6_K, shape, wide=True)
+        assert (wide.group_size, pairs.group_size) == (WIDE_GROUP_SIZE, 32) == (64, 32)
+        assert wide.scales.shape == (shape[0], shape[1] // 64) and wide.biases.shape == wide.scales.shape
+        assert sum(a.nbytes for a in wide[:3]) == sum(a.nbytes for a in pairs[:3] if a is not None)
+        np.testing.assert_array_equal(np.array(wide.biases, np.float32), -128 * np.array(wide.scales, np.float32))
+        got = np.array(mx.dequantize(wide.weight, wide.scales.astype(mx.float32), wide.biases.astype(mx.float32),
+                                     group_size=64, bits=8))
+        scales = np.abs(np.array(wide.scales, np.float32))[..., None]
+        assert (np.abs(got - exact).reshape(shape[0], -1, 64) <= 1.07 * scales).all(), tensor.name
+        sub_blocks = exact.reshape(-1, 16)
+        own_rms = np.sqrt(np.mean(((sub_blocks.max(1) - sub_blocks.min(1)) / 63) ** 2 / 12))
+        assert np.sqrt(np.mean((got - exact) ** 2)) < 0.5 * own_rms, tensor.name
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_a_wide_q6_k_product_is_one_launch(fixture_model, dtype):
+    """With its biases stored, a wide Q6_K projection in float16 (a GPU's) is the quantized product
+    alone (the pairs' form adds a multiply, test_a_symmetric_weight_derives_its_biases_in_the_input_type),
+    and a stack of wide layers stays one product."""
+    reader = gguf.GGUFReader(fixture_model("types-tiny-Q6_K.gguf"))
+    parts = {t.name: t for t in reader.tensors}
+    layers = [NativeLinear(to_affine(parts[f"blk.0.attn_{n}.weight"].data, QT.Q6_K,
+                                     tuple(int(d) for d in reversed(parts[f"blk.0.attn_{n}.weight"].shape)), wide=True),
+                           output_bias=False) for n in ("q", "k")]
+    x = mx.random.normal((2, layers[0].weight.shape[1] * 4), key=mx.random.key(2)).astype(dtype)
+    mx.eval(x)
+    # A float32 input (the CPU's) has MLX cast the stored scales and biases, as for every stored-bias type.
+    extra = Counter({"AsType": 2} if dtype == mx.float32 else {})
+    assert launches([layers[0](x)]) == Counter({"QuantizedMatmul": 1}) + extra
+    stacked_layer = NativeLinear.stack(layers)
+    assert stacked_layer.group_size == 64
+    np.testing.assert_array_equal(np.array(stacked_layer(x)), np.array(mx.concatenate([layer(x) for layer in layers], -1)))
+    pairs = NativeLinear(to_affine(parts["blk.0.attn_k.weight"].data, QT.Q6_K,
+                                   tuple(int(d) for d in reversed(parts["blk.0.attn_k.weight"].shape))), output_bias=False)
+    assert NativeLinear.stack([layers[0], pairs]) is None  # groups of 64 and of 32 make no one product
+
+
+@pytest.mark.parametrize("name", [n for n in REFERENCES if n.startswith("chat-tiny") and n.split("-")[-1] in
+                                  ("Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")])
+def test_wide_q6_k_matches_llama_cpp(name):
+    """The mixes that hold Q6_K, in MLX's affine form with Q6_K wide (as Metal, and CUDA without the
+    kernels, hold them): the parity bars of the other forms."""
+    m, ref = load_as_on_cuda(find_fixture_model(f"{name}.gguf"), wide=True), reference(name)
+    assert any(getattr(layer, "group_size", 32) == 64 for _, layer in m.model.named_modules())
+    for prompt in PROMPTS:
+        assert_logits_match(m, ref, prompt, f"{name} {prompt} (Q6_K wide)")
+
+
 def outputs(layer: NativeLinear | SubBlockLinear) -> int:
     return layer.weight.shape[0] if isinstance(layer, NativeLinear) else layer.sub_scales.shape[1]
 
@@ -104,7 +161,8 @@ def test_native_model_uses_quantized_layers_per_tensor_type():
     assert isinstance(layers["blk.2.attn_v"], kind) and layers["blk.2.attn_v"].bits == q6_k_bits
     if cpu or not mlxllama.runtime.cuda_kernels_wanted():
         assert isinstance(layers["output"], kind) and layers["output"].bits == q6_k_bits
-        assert cpu or "biases" not in layers["output"]  # the symmetric grid's biases are derived
+        # MLX's own products take Q6_K's wide form: groups of 64, their biases stored.
+        assert cpu or "biases" in layers["output"] and layers["output"].group_size == 64
     else:  # the CUDA kernels' Q6_K output in the file's blocks (test_block_output.py)
         assert isinstance(layers["output"], BlockLinear)
     dense = dict(mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dequantize=True).model.named_modules())
