@@ -490,6 +490,21 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     return out
 
 
+def narrowed(weight: AffineWeight) -> AffineWeight:
+    """A weight of the wide form (groups of WIDE_GROUP_SIZE) with the same values in groups of 32,
+    each half of a group taking its scale, and the biases of a symmetric grid left to be derived:
+    what a piece cut along groups of 32 holds (tensors.convert), in 8.5 bits a weight again."""
+    if weight.group_size == AFFINE_GROUP_SIZE:
+        return weight
+    halves = weight.group_size // AFFINE_GROUP_SIZE
+    scales = mx.repeat(weight.scales, halves, axis=-1)
+    symmetric = FORMATS[weight.qtype].symmetric
+    biases = None if symmetric else mx.repeat(weight.biases, halves, axis=-1)
+    narrow = weight._replace(scales=scales, biases=biases, group_size=AFFINE_GROUP_SIZE)
+    mx.eval([a for a in narrow[:3] if a is not None])
+    return narrow
+
+
 def _block_rows(data: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> tuple[np.ndarray, int]:
     """A matrix's raw data as uint8 rows of blocks, checked against its shape, and the block's size."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from .cache import KVCache, KVQuantization, check_kv_size
 from .constraints import Constraint, Guide
@@ -19,8 +20,7 @@ from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
-from .quantized_layers import SubBlockLinear
-from .quants import AFFINE_GROUP_SIZE
+from .quantized_layers import NativeExperts, NativeLinear, SubBlockLinear
 from .sampling import SamplingParams, make_sampler
 from .sharding import Shard, plan_shard
 from .speculative import Drafting, Speculation
@@ -70,15 +70,16 @@ class Runtime:
     def weight_form(self) -> str:
         """How the weights are held, as a saved prompt cache records it (its keys and values differ by
         it): "dequantized", "native" (MLX's affine form), "native, sub-blocks" (the K-types in the
-        CPU's exact form, quantized_layers.SubBlockLinear), or "native, wide groups" (Q6_K's wide
-        form, groups of 64: quants.to_affine)."""
+        CPU's exact form, quantized_layers.SubBlockLinear), or "native, wide Q6_K" (Q6_K matrices
+        on the wide form's grids, one every 64 values: quants.to_affine)."""
         if self.dequantized:
             return "dequantized"
         modules = self.model.modules()
         if any(isinstance(m, SubBlockLinear) for m in modules):
             return "native, sub-blocks"
-        return "native, wide groups" if any(getattr(m, "group_size", AFFINE_GROUP_SIZE) != AFFINE_GROUP_SIZE
-                                            for m in modules) else "native"
+        affine_q6_k = any(isinstance(m, (NativeLinear, NativeExperts)) and m.qtype == GGMLQuantizationType.Q6_K
+                          for m in modules)
+        return "native, wide Q6_K" if self.model.wide_q6_k and affine_q6_k else "native"
 
     @property
     def chat_template(self) -> str | None:

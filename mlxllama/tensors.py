@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from .errors import MlxLlamaError
 from .gguf_file import tensor_shape
 from .quants import (AFFINE_GROUP_SIZE, AFFINE_TYPES, REQUANTIZED_TYPES, SUPPORTED_TYPES, AffineWeight, SubBlockWeight,
-                     dequantize, sub_block_form_fits, to_affine, to_sub_blocks)
+                     dequantize, narrowed, sub_block_form_fits, to_affine, to_sub_blocks)
 
 
 class Blocks(NamedTuple):
@@ -73,12 +73,14 @@ def convert(path: str, tensor, shape: tuple[int, ...], dtype: mx.Dtype, native: 
     tensor, give a plain array. With a `piece`, only that part of the tensor is read and kept.
     Without `requantize`, a matrix of a type the affine form holds only approximately (Q2_K, Q6_K:
     quants.REQUANTIZED_TYPES) is expanded to `dtype` instead, so the model holds the file's values.
-    `wide`: an AffineWeight in its type's wide form where it has one (quants.to_affine); a piece's
-    cut and trim work in groups of 32, so a split model never asks for it.
+    `wide`: an AffineWeight in its type's wide form where it has one (quants.to_affine); a piece
+    (cut and trimmed in groups of 32) holds the wide form's values in groups of 32 (quants.narrowed),
+    so that a split model computes what one process does.
     """
     if piece is not None:
         tensor, shape, trim = cut(tensor, shape, piece)
-        weight = convert(path, tensor, shape, dtype, native, requantize=requantize, sub_blocks=sub_blocks)
+        weight = convert(path, tensor, shape, dtype, native, requantize=requantize, sub_blocks=sub_blocks, wide=wide)
+        weight = narrowed(weight) if isinstance(weight, AffineWeight) else weight
         return trim_columns(weight, trim) if trim else weight
     quantized = native and len(shape) in (2, 3) and tensor.tensor_type in AFFINE_TYPES
     if quantized and as_blocks:  # the file's own blocks: exact whatever the type

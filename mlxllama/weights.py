@@ -41,8 +41,9 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
     types stays in the file's blocks (quantized_layers.BlockLinear), unless it is split over ranks.
     `sub_blocks` (the CPU's choice): in native mode, Q2_K, Q3_K, Q4_K and Q6_K matrices are held in
     their sub-block form (quantized_layers.SubBlockLinear: the file's values, in about its bits).
-    `wide` (where MLX's own products read the affine form: not the CUDA kernels, not a split):
-    Q6_K matrices in its wide form (quants.to_affine), groups of 64 with their biases stored."""
+    `wide` (where MLX's own products read the affine form, not the CUDA kernels): Q6_K matrices in
+    its wide form (quants.to_affine), groups of 64 with their biases stored; a split model's pieces
+    hold the same values in groups of 32 (tensors.convert)."""
     kernels = block_products if native and block_products and shard is None else {}
     head = "token_embd.weight" if config.tied_output else "output.weight"
     lookup_table = None if config.tied_output else "token_embd.weight"  # only looked up: kept in its blocks
@@ -51,6 +52,7 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         return kernels.get(gguf.tensors[name].tensor_type) if name == head else None
 
     model = architecture.build(config, dtype, shard)
+    model.wide_q6_k = native and wide
     layers = shard.layers if shard else range(config.n_layers)
     # The tensors of each block ("blk.N."), then the rest: the embedding and output, larger than a block.
     blocks: list[dict] = [{} for _ in layers]
@@ -69,7 +71,7 @@ def load_model(gguf: GGUFFile, architecture: Architecture, config: ModelConfig, 
         converted = {parameter: convert(gguf.path, gguf.tensors[name], shape, dtype, native,
                                         as_blocks=name == lookup_table or products[parameter] is not None,
                                         piece=shard.piece(name, config) if shard else None, requantize=requantize,
-                                        sub_blocks=sub_blocks, wide=wide and shard is None)
+                                        sub_blocks=sub_blocks, wide=wide)
                      for name, (parameter, shape) in part.items()}
         _load(model, converted, products)
 

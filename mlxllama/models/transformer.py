@@ -289,6 +289,8 @@ class Transformer(nn.Module):
         self.blk = [Block(block_config, compute_dtype, i, group) for i in layers]
         # How the caches made for this model store keys and values (store_kv_quantized).
         self.kv_quantization: KVQuantization | None = None
+        # Whether the loader put Q6_K's affine form on its wide grids (weights.load_model's `wide`).
+        self.wide_q6_k = False
         self.output_norm = RMSNorm(config.hidden_size, config.rms_eps, compute_dtype)
         if not config.tied_output:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -250,7 +250,7 @@ def test_q6k_groups_ab_times_both_forms_and_finds_a_launch_less_a_q6_k_matrix(tm
     out = tmp_path / "ab.json"
     printed = run_script("benchmarks/q6k_groups_ab.py", str(path), "-n", "4", "--batches", "1", "--rounds", "2",
                          "--dtype", "float16", "--json", str(out))
-    assert "pairs native " in printed and "wide native, wide groups " in printed
+    assert "pairs native " in printed and "wide native, wide Q6_K " in printed
     held = {line.split()[0]: int(line.split()[-4]) for line in printed.splitlines() if "bytes of weights" in line}
     assert held["pairs"] == held["wide"]
     (row,) = json.loads(out.read_text())["rows"]

@@ -94,7 +94,7 @@ def test_a_file_that_does_not_belong_is_a_one_line_error(saved, tmp_path):
     assert "made with --ctx '512', this run has '256'" in error(str(saved), "-c", "256")
     # The CPU's exact K-types; on a GPU the kernels' groups of 32, or MLX's products' wide Q6_K.
     held = ("native, sub-blocks" if mx.default_device() == mx.cpu
-            else "native" if mlxllama.runtime.cuda_kernels_wanted() else "native, wide groups")
+            else "native" if mlxllama.runtime.cuda_kernels_wanted() else "native, wide Q6_K")
     assert f"made with native or --dequantize weights '{held}', this run has 'dequantized'" in error(
         str(saved), "--dequantize")
     # Made in MLX's affine form (on a GPU, or on the CPU before its sub-block form): other values.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from conftest import REPO_FIXTURES, PACKAGE_DATA
 from mlxllama.errors import MlxLlamaError
@@ -21,35 +22,49 @@ CHAT_TINY = PACKAGE_DATA / "chat-tiny-Q4_K_M.gguf"
 
 def dense(weight) -> np.ndarray:
     if isinstance(weight, AffineWeight):
-        weight = mx.dequantize(weight.weight, weight.scales, weight.full_biases(), group_size=32, bits=weight.bits)
+        weight = mx.dequantize(weight.weight, weight.scales, weight.full_biases(), group_size=weight.group_size,
+                               bits=weight.bits)
     return np.array(weight.astype(mx.float32))
 
 
-def whole_and_piece(path, name: str, piece: Piece, native: bool = True):
+def whole_and_piece(path, name: str, piece: Piece, native: bool = True, wide: bool = False):
     gguf = open_gguf(path)
     architecture = architecture_of(gguf)
     config = architecture.read_config(gguf)
     _, shape = architecture.tensors(config)[name]
     tensor = gguf.tensors[name]
-    return (dense(convert(gguf.path, tensor, shape, mx.float32, native)),
-            dense(convert(gguf.path, tensor, shape, mx.float32, native, piece=piece)))
+    return (dense(convert(gguf.path, tensor, shape, mx.float32, native, wide=wide)),
+            dense(convert(gguf.path, tensor, shape, mx.float32, native, piece=piece, wide=wide)))
 
 
-@pytest.mark.parametrize("native", [True, False])
+# Wide: Q6_K's wide form (groups of 64) whole, its values in groups of 32 in a piece (quants.narrowed).
+@pytest.mark.parametrize("native, wide", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("name, piece, rows, columns", [
     # Q4_K rows of 256 values, one block: the halves of attn_output and ffn_down start inside a block.
     ("blk.0.attn_q.weight", Piece(rows=((128, 256),)), slice(128, 256), slice(None)),
     ("blk.0.attn_output.weight", Piece(columns=(128, 256)), slice(None), slice(128, 256)),
     ("blk.0.ffn_down.weight", Piece(columns=(0, 384)), slice(None), slice(0, 384)),
     ("blk.0.ffn_down.weight", Piece(columns=(384, 768)), slice(None), slice(384, 768)),
+    ("blk.2.ffn_down.weight", Piece(columns=(416, 768)), slice(None), slice(416, 768)),  # Q6_K
     ("blk.5.attn_v.weight", Piece(rows=((0, 32),)), slice(0, 32), slice(None)),
     ("blk.0.attn_norm.weight", Piece(rows=((64, 192),)), slice(64, 192), None),
 ])
-def test_a_piece_is_the_slice_of_the_whole(name, piece, rows, columns, native):
-    whole, part = whole_and_piece(CHAT_TINY, name, piece, native)
+def test_a_piece_is_the_slice_of_the_whole(name, piece, rows, columns, native, wide):
+    whole, part = whole_and_piece(CHAT_TINY, name, piece, native, wide)
     expected = whole[rows] if columns is None else whole[rows, columns]
     assert part.shape == expected.shape
     np.testing.assert_array_equal(part, expected)
+
+
+def test_a_wide_q6_k_piece_holds_the_wide_values_in_groups_of_32():
+    gguf = open_gguf(CHAT_TINY)
+    tensor = gguf.tensors["blk.2.ffn_down.weight"]
+    assert tensor.tensor_type == QT.Q6_K
+    shape = architecture_of(gguf).tensors(architecture_of(gguf).read_config(gguf))["blk.2.ffn_down.weight"][1]
+    whole = convert(gguf.path, tensor, shape, mx.float32, True, wide=True)
+    piece = convert(gguf.path, tensor, shape, mx.float32, True, piece=Piece(columns=(32, 768)), wide=True)
+    assert (whole.group_size, piece.group_size) == (64, 32) and piece.biases is None  # 8.5 bits, as whole
+    np.testing.assert_array_equal(dense(piece), dense(whole)[:, 32:768])
 
 
 def test_joined_row_ranges_of_a_fused_tensor():
