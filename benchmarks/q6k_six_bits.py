@@ -46,7 +46,7 @@ DEFAULT = ["chat-tiny-Q3_K_M", "chat-tiny-Q4_K_M", "chat-tiny-Q5_K_M", "chat-tin
 
 def six_bit_q6_k(f: quants.Fields):
     """The held form's pairing (quants._affine_q6_k) with a step of the larger sub-block's own."""
-    v, step = quants._q6_k_on_pair_grids(f, 1)
+    v, step = quants._q6_k_on_shared_grids(f, 2, 1)
     return (mx.clip(v, -32, 31) + 32).astype(mx.uint8).reshape(f.n, 256), step, -32 * step
 
 

@@ -257,11 +257,6 @@ def _q6_k_on_shared_grids(f: Fields, sub_blocks: int, steps: int) -> tuple[mx.ar
     return mx.round(steps * ratio[..., None] * q.reshape(n, groups, sub_blocks, 16)), d * largest / steps
 
 
-def _q6_k_on_pair_grids(f: Fields, steps: int) -> tuple[mx.array, mx.array]:
-    """Q6_K's values on one grid a pair of sub-blocks (_q6_k_on_shared_grids): v (n, 8, 2, 16), step (n, 8)."""
-    return _q6_k_on_shared_grids(f, 2, steps)
-
-
 def _affine_q6_k(f: Fields):
     """Q6_K's 16-value sub-blocks (d x scale x q, q in [-32, 31]) re-quantized to 8 bits on a symmetric grid.
 
@@ -269,7 +264,7 @@ def _affine_q6_k(f: Fields):
     its own, so its values land exactly on the grid (v = 4 q); the other's are rounded to it, off
     by at most 1/8 of the larger sub-block's step. The bias is -128 x scale, so it is not stored.
     """
-    v, step = _q6_k_on_pair_grids(f, 4)
+    v, step = _q6_k_on_shared_grids(f, 2, 4)
     # Only v = 128 (opposite scales of equal size, q at its minimum) can fall off the grid.
     q8 = (mx.clip(v, -128, 127) + 128).astype(mx.uint8)
     return q8.reshape(f.n, 256), step, None
@@ -461,13 +456,13 @@ def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     raw, type_size = _block_rows(data, qtype, rows, cols)
     form = FORMATS[qtype]
     bits = form.bits
-    encode = form.wide if wide and form.wide else form.encode
-    group_size = WIDE_GROUP_SIZE if encode is form.wide else AFFINE_GROUP_SIZE
+    wide = wide and form.wide is not None
+    encode, group_size = (form.wide, WIDE_GROUP_SIZE) if wide else (form.encode, AFFINE_GROUP_SIZE)
     groups = cols // group_size
     out = AffineWeight(
         mx.zeros((rows, cols * bits // 32), mx.uint32),
         mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
-        None if form.symmetric and encode is form.encode else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
+        None if form.symmetric and not wide else mx.zeros((rows, groups), AFFINE_SCALE_DTYPE),
         bits,
         qtype,
         group_size,

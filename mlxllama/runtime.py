@@ -202,11 +202,11 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     file's values, in about its bits). On a GPU it holds Q2_K and Q6_K matrices re-quantized to 8
     bits a value (quants.py: their 16-value sub-blocks have no exact affine form; Q6_K in groups of
     64 with its biases stored, or of 32 where the CUDA kernels read it), except a Q6_K output layer
-    under mlxllama.cuda, which keeps the file's blocks and a kernel of its own (cuda/blocks.py). Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and
-    holds the file's values (trace does, to compare against an exact reference). The decode step is
-    chosen here, once: on MLX's CUDA backend a native model decodes through the kernels of
-    mlxllama.cuda, and every model prefills with explicit attention
-    (Transformer.attend_prefill_explicitly).
+    under mlxllama.cuda, which keeps the file's blocks and a kernel of its own (cuda/blocks.py).
+    Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and holds the file's values
+    (trace does, to compare against an exact reference). The decode step is chosen here, once: on
+    MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every model
+    prefills with explicit attention (Transformer.attend_prefill_explicitly).
 
     With a `kv_quantization` (KVQuantization(bits=8), say) every cache made for the model stores its
     keys and values quantized: --kv-bits.
