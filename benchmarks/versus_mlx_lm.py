@@ -3,7 +3,8 @@ Silicon runs, on whatever device this runs on.
 
     pip install --no-deps mlx-lm==0.32.2
     MLXLLAMA_CUDA_KERNELS=0 python benchmarks/versus_mlx_lm.py MODEL.gguf [-n 128] [-p 512]
-        [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--fill random] [--json OUT]
+        [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--fill random] [--ours-generate-step]
+        [--json OUT]
 
 Ours: `mlxllama bench`'s prefill and decode loops on the GGUF file as it loads (native mode). mlx-lm:
 its `models.llama.Model` of the same shape, random weights in MLX's 4-bit format of group 64 (what
@@ -22,6 +23,10 @@ median of the rounds and the ratio of the medians (ours / mlx-lm) with its sprea
 fastest mlx-lm, fastest over slowest). It also gives what a Mac's speed follows: each step's launches
 (mlxllama.step_cost) and the host's time to build and queue it, and the weights each engine holds.
 Random weights make the speeds real and the text meaningless.
+
+`--ours-generate-step` times our model's one sequence through mlx-lm's `generate_step` too, as a third
+engine in the same rounds ("ours in generate_step"): the same step in the other loop, which tells the
+loop's share of the one-sequence ratio from the step's.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ from mlxllama.cache import grown_size
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import PREFILL_CHUNK
 from mlxllama.step_cost import launches
+
+# The third engine of --ours-generate-step: our model through mlx-lm's loop.
+IN_GENERATE_STEP = "ours in generate_step"
 
 
 def import_mlx_lm():
@@ -128,13 +136,8 @@ class MlxLm:
         """As bench.time_generation, on a cache holding `depth` positions, cut back to them afterwards;
         one sequence through generate_step unless told otherwise."""
         ids = random_ids(self.config.vocab_size, batch, 1, seed)
-        if batch == 1 and generate_step:  # mlx-lm's own loop: it feeds the id, then decodes one token ahead of the host
-            tokens = self.generate_step(ids[0], self.model, max_tokens=n_gen + 1, prompt_cache=cache)
-            next(tokens)
-            start = time.perf_counter()
-            for _ in tokens:
-                pass
-            seconds = time.perf_counter() - start
+        if batch == 1 and generate_step:
+            seconds = through_generate_step(self.generate_step, self.model, ids[0], cache, n_gen)
             host.append((float("nan"), float("nan")))  # generate_step's host part is not separable from outside
         else:
             token = mx.argmax(self.feed(cache, ids), axis=-1)[:, None]
@@ -150,6 +153,25 @@ class MlxLm:
         mx.eval(outputs)
         bench.cut_back(cache, depth)
         return counted
+
+
+def through_generate_step(generate_step, model, ids: mx.array, cache: list, n_gen: int) -> float:
+    """Seconds for n_gen tokens of one sequence through mlx-lm's loop, `model` called as it calls
+    its own (model(tokens, cache=cache)): it feeds `ids`, then decodes one token ahead of the host."""
+    tokens = generate_step(ids, model, max_tokens=n_gen + 1, prompt_cache=cache)
+    next(tokens)
+    start = time.perf_counter()
+    for _ in tokens:
+        pass
+    return time.perf_counter() - start
+
+
+def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed: int, depth: int) -> float:
+    """As MlxLm.time_generation's one sequence, with our model in mlx-lm's loop."""
+    seconds = through_generate_step(generate_step, runtime.model, mx.array(bench.random_ids(runtime, 1, 1, seed)[0]),
+                                    cache, n_gen)
+    bench.cut_back(cache, depth)
+    return seconds
 
 
 def random_kv(config, batch: int, depth: int, n_gen: int, dtype: mx.Dtype, layers: int):
@@ -201,6 +223,8 @@ def main():
     parser.add_argument("--no-generate-step", action="store_true",
                         help="mlx-lm's one sequence through the loop of its batches, not generate_step (whose host"
                              " time cannot be split from outside)")
+    parser.add_argument("--ours-generate-step", action="store_true",
+                        help="also time our one sequence through mlx-lm's generate_step, as a third engine")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -236,13 +260,16 @@ def main():
                     runtime, batch, args.n_gen, seed, depth, host["ours"], ours_cache),
                 "mlx-lm": lambda seed: batch * args.n_gen / theirs.time_generation(
                     theirs_cache, batch, args.n_gen, seed, depth, host["mlx-lm"], not args.no_generate_step)}
+            if args.ours_generate_step and batch == 1:
+                timers[IN_GENERATE_STEP] = lambda seed: args.n_gen / ours_in_generate_step(
+                    runtime, theirs.generate_step, ours_cache, args.n_gen, seed, depth)
         for timer in timers.values():  # warm-up: each shape's kernels compile off the clock
             timer(10_000)
         for times in host.values():
             times.clear()
-        samples = {"ours": [], "mlx-lm": []}
+        samples = {engine: [] for engine in timers}
         for round_ in range(args.rounds):
-            for engine in ("ours", "mlx-lm") if round_ % 2 == 0 else ("mlx-lm", "ours"):
+            for engine in list(timers) if round_ % 2 == 0 else reversed(timers):
                 samples[engine].append(timers[engine](round_))
         ours, mlx_lm = samples["ours"], samples["mlx-lm"]
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
@@ -252,9 +279,15 @@ def main():
             row["ours_launches"] = sum(bench.step_launches(runtime, batch, depth, ours_cache).values())
             row["mlx_lm_launches"] = theirs.step_launches(theirs_cache, batch, depth)
             row["ours_host_us"], row["mlx_lm_host_us"] = host_us(host["ours"]), host_us(host["mlx-lm"])
+        in_loop = samples.get(IN_GENERATE_STEP)
+        if in_loop:
+            row["ours_generate_step"] = in_loop
+            row["ours_generate_step_ratio"] = statistics.median(in_loop) / statistics.median(mlx_lm)
+            row["ours_generate_step_spread"] = spread(in_loop, mlx_lm)
         rows.append(row)
         print(f"{row['test']} b={batch} d={depth}: {statistics.median(ours):.1f} against {statistics.median(mlx_lm):.1f}"
-              " t/s", file=sys.stderr, flush=True)
+              " t/s" + (f"; ours in generate_step {statistics.median(in_loop):.1f}" if in_loop else ""),
+              file=sys.stderr, flush=True)
         if args.json:  # after every test, so that a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": bench.device_name(), "mlx": mx.__version__, "model": args.model,
@@ -273,6 +306,15 @@ def main():
         print(f"| {r['test']} | {r['batch']} | {r['depth']} | {statistics.median(r['ours']):.1f} "
               f"| {statistics.median(r['mlx_lm']):.1f} | {r['ratio']:.2f}× ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
               f" | {launched} | {hosted} |")
+    in_loop = [r for r in rows if "ours_generate_step" in r]
+    if in_loop:
+        print("\n| test | depth | ours in generate_step t/s | mlx-lm t/s | ratio (spread) | ours in our loop, ratio |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in in_loop:
+            low, high = r["ours_generate_step_spread"]
+            print(f"| {r['test']} | {r['depth']} | {statistics.median(r['ours_generate_step']):.1f} "
+                  f"| {statistics.median(r['mlx_lm']):.1f} "
+                  f"| {r['ours_generate_step_ratio']:.2f}× ({low:.2f}–{high:.2f}) | {r['ratio']:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def test_moe_prefill_times_both_orders_of_the_same_products(tmp_path):
 def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launches(tmp_path):
     out = tmp_path / "versus.json"
     table = run_script("benchmarks/versus_mlx_lm.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "-p", "16",
-                       "-n", "4", "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--json", str(out))
+                       "-n", "4", "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--ours-generate-step",
+                       "--json", str(out))
     report = json.loads(out.read_text())
     rows = [(r["test"], r["batch"], r["depth"]) for r in report["rows"]]
     assert rows == [("pp16", 1, 0)] + [("tg4", b, d) for d in (0, 8) for b in (1, 2)]
@@ -137,9 +138,17 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
             assert all(us > 0 for us in r["ours_host_us"])
             # One sequence goes through mlx-lm's generate_step, whose host time is not visible from outside.
             assert r["mlx_lm_host_us"] is None if r["batch"] == 1 else all(us > 0 for us in r["mlx_lm_host_us"])
+        # --ours-generate-step: our one sequence in mlx-lm's loop too, a third engine of the same rounds.
+        if r["test"] == "tg4" and r["batch"] == 1:
+            assert len(r["ours_generate_step"]) == 2 and all(speed > 0 for speed in r["ours_generate_step"])
+            assert r["ours_generate_step_ratio"] == pytest.approx(
+                statistics.median(r["ours_generate_step"]) / statistics.median(r["mlx_lm"]))
+        else:
+            assert "ours_generate_step" not in r
     # Our file holds Q4_K at 5 bits and Q6_K at 8.5, mlx-lm's random weights 4 bits and a half.
     assert report["ours_weight_bytes"] > report["mlx_lm_weight_bytes"] > 0
     assert "| tg4 | 2 | 8 |" in table
+    assert "| test | depth | ours in generate_step t/s |" in table and "\n| tg4 | 8 | " in table
 
 
 def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run(monkeypatch):
