@@ -167,8 +167,8 @@ def through_generate_step(generate_step, model, ids: mx.array, cache: list, n_ge
 
 
 def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed: int, depth: int) -> float:
-    """As MlxLm.time_generation's one sequence, with our model in mlx-lm's loop."""
-    seconds = through_generate_step(generate_step, runtime.model, mx.array(bench.random_ids(runtime, 1, 1, seed)[0]),
+    """As MlxLm.time_generation's one sequence (the same id for the same seed), with our model in mlx-lm's loop."""
+    seconds = through_generate_step(generate_step, runtime.model, random_ids(runtime.config.vocab_size, 1, 1, seed)[0],
                                     cache, n_gen)
     bench.cut_back(cache, depth)
     return seconds
