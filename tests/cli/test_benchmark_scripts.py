@@ -186,6 +186,58 @@ def test_versus_mlx_lm_refuses_depths_past_the_context_in_one_line(tmp_path):
         assert len(errors) == 1 and message in errors[0]
 
 
+def test_host_profile_times_both_engines_with_and_without_the_collector_and_profiles_each(tmp_path):
+    out = tmp_path / "host_profile.json"
+    table = run_script("benchmarks/host_profile.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "-n", "4",
+                       "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--top", "60", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [(r["batch"], r["depth"]) for r in report["rows"]] == [(1, 0), (2, 0), (1, 8), (2, 8)]
+    for row in report["rows"]:
+        runs = {(run["engine"], run["gc"]): run for run in row["runs"]}
+        assert set(runs) == {(engine, gc) for engine in ("ours", "mlx-lm") for gc in (True, False)}
+        assert all(len(run["tps"]) == 2 and len(run["host_us"]) == 2 and min(run["host_us"]) > 0 for run in runs.values())
+        # Each engine's own code under the profiler, a call a layer a step: chat-tiny has 6 layers.
+        ours = {p["function"]: p for p in row["profiles"]["ours"]}
+        theirs = {p["function"]: p for p in row["profiles"]["mlx-lm"]}
+        attention = next(p for name, p in ours.items() if name.startswith("transformer.py:") and "(attention)" in name)
+        assert attention["calls"] == 6 and attention["total_us"] >= attention["own_us"] > 0
+        assert any(name.startswith("llama.py:") and p["calls"] == 6 for name, p in theirs.items())
+    assert "| mlx-lm | off |" in table and "ours, under cProfile" in table
+
+
+def test_graph_build_times_both_engines_building_a_step_on_the_cpu():
+    built = run_script("benchmarks/graph_build.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--reps", "3",
+                       "--rounds", "2", "--batch", "2", "--profile", "5")
+    for engine in ("ours", "mlx-lm"):
+        medians = re.search(rf"^{engine}: µs a build, median of each round: (\d+), (\d+) \(fastest (\d+)\)$", built, re.M)
+        assert medians and int(medians[3]) == min(int(medians[1]), int(medians[2])) > 0
+    # The profiles name each engine's layer code, a call a layer (6) a build.
+    ours = built.split("ours, under cProfile")[1].split("mlx-lm, under cProfile")[0]
+    assert re.search(r" 6\.0  transformer\.py:\d+\(", ours)
+    assert re.search(r" 6\.0  llama\.py:\d+\(", built.split("mlx-lm, under cProfile")[1])
+
+
+def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_path):
+    shutil.copytree(REPO / "mlxllama", tmp_path / "mlxllama_before", ignore=shutil.ignore_patterns("*.gguf", "templates"))
+    out = tmp_path / "ab.json"
+    printed = run_script("benchmarks/step_ab.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--before",
+                         str(tmp_path), "-n", "4", "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert [(r["batch"], r["depth"]) for r in report["rows"]] == [(1, 0), (2, 0), (1, 8), (2, 8)]
+    for r in report["rows"]:
+        assert {name: len(tps) for name, tps in r["tps"].items()} == {"after": 2, "before": 2, "mlx-lm": 2}
+        for other in ("before", "mlx-lm"):
+            ratio = statistics.median(r["tps"]["after"]) / statistics.median(r["tps"][other])
+            assert r[f"after/{other}"] == pytest.approx(ratio)
+            assert r[f"after/{other} spread"][0] <= ratio <= r[f"after/{other} spread"][1]
+        assert all(min(us) > 0 for us in r["host_us"].values())
+    assert printed.count("after/before") == 4
+    missing = subprocess.run([sys.executable, "benchmarks/step_ab.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
+                              "--before", str(tmp_path / "nowhere")], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.strip().endswith("step_ab.py: no mlxllama_before in "
+                                                                       + str(tmp_path / "nowhere"))
+
+
 def test_kv_key_grouping_measures_what_the_quantized_cache_does(tmp_path):
     """Its 'head' way is --kv-bits 4 as the product stores it: chat-tiny's heads are one group, so
     the product's perplexity is matched to the last digit, and the unquantized one likewise."""

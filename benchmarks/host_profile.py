@@ -1,0 +1,135 @@
+"""Where a decode step's host time goes, our plain step against mlx-lm's model in the same loop.
+
+    pip install --no-deps mlx-lm==0.32.2
+    MLXLLAMA_CUDA_KERNELS=0 python benchmarks/host_profile.py MODEL.gguf [--batches 1,8] [--depths 0,4096]
+        [-n 128] [--rounds 3] [--top 25] [--json OUT]
+
+For each batch and depth both engines' caches are filled with random keys and values
+(versus_mlx_lm.py's --fill random), and each engine decodes -n tokens in bench.time_steps's loop,
+mlx-lm's model (versus_mlx_lm.MlxLm) as our step. In interleaved rounds, each engine runs with
+Python's garbage collector on and off: tokens/s and the host's µs a step, building the graph and
+launching it. Then one run each under Python's profiler (cProfile): the functions with the most
+time of their own a step, MLX's calls among them, so that a difference in the host's time between
+the engines, or between depths, can be put on the calls that make it. The profiler slows Python
+code more than MLX's calls, so its figures are for comparing the engines, not for speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import os
+import pstats
+import statistics
+import sys
+
+import mlx.core as mx
+
+from mlxllama import bench, load
+from mlxllama.errors import MlxLlamaError
+from versus_mlx_lm import MlxLm, filled_ours, host_us, random_ids
+
+
+def decode(engine: dict, batch: int, depth: int, n_gen: int, seed: int, host: list | None) -> float:
+    """Tokens/s of n_gen steps from the engine's cache at `depth`, cut back to it afterwards."""
+    token = random_ids(engine["vocab"], batch, 1, seed)
+    seconds = bench.time_steps(engine["step"], token, n_gen, host)
+    bench.cut_back(engine["cache"], depth)
+    return batch * n_gen / seconds
+
+
+def decode_without_gc(engine: dict, batch: int, depth: int, n_gen: int, seed: int, host: list) -> float:
+    gc.disable()
+    try:
+        return decode(engine, batch, depth, n_gen, seed, host)
+    finally:
+        gc.enable()
+
+
+def profiled(engine: dict, batch: int, depth: int, n_gen: int, top: int) -> list[dict]:
+    """The `top` functions by time of their own in one run of n_gen steps, in µs and calls a step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode(engine, batch, depth, n_gen, 0, None)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": label(key), "own_us": own / n_gen * 1e6, "total_us": total / n_gen * 1e6,
+             "calls": calls / n_gen} for key, (_, calls, own, total, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+
+
+def label(key: tuple) -> str:
+    path, line, name = key
+    return name if path == "~" else f"{os.path.basename(path)}:{line}({name})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("-n", "--n-gen", type=int, default=128)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--depths", default="0,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+    try:
+        runtime = load(args.model)
+        bench.check_fits(runtime, 0, args.n_gen, tuple(int(d) for d in args.depths.split(",")))
+    except MlxLlamaError as e:
+        print(f"host_profile.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if runtime.model.decode_step.uses_kernels:
+        sys.exit("host_profile.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
+    theirs = MlxLm(runtime.config, runtime.model.compute_dtype)
+    rows = []
+    for depth in (int(d) for d in args.depths.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            ours_cache = filled_ours(runtime, batch, depth, args.n_gen)
+            theirs_cache = theirs.filled(batch, depth, args.n_gen, runtime.model.compute_dtype)
+            engines = {
+                "ours": {"cache": ours_cache, "vocab": runtime.config.vocab_size,
+                         "step": lambda tokens, c=ours_cache: runtime.model.step(tokens, c)},
+                "mlx-lm": {"cache": theirs_cache, "vocab": runtime.config.vocab_size,
+                           "step": lambda tokens, c=theirs_cache: theirs.model(tokens, cache=c)[:, -1]}}
+            runs = {(name, mode): {"tps": [], "host": []} for name in engines for mode in ("gc", "no gc")}
+            for engine in engines.values():  # warm-up: each shape's kernels compile off the clock
+                decode(engine, batch, depth, args.n_gen, 10_000, None)
+            for round_ in range(args.rounds):
+                order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+                for name, mode in order:
+                    timer = decode if mode == "gc" else decode_without_gc
+                    run = runs[(name, mode)]
+                    run["tps"].append(timer(engines[name], batch, depth, args.n_gen, round_, run["host"]))
+            row = {"batch": batch, "depth": depth, "runs": [
+                {"engine": name, "gc": mode == "gc", "tps": run["tps"], "host_us": host_us(run["host"])}
+                for (name, mode), run in runs.items()]}
+            row["profiles"] = {name: profiled(engine, batch, depth, args.n_gen, args.top)
+                               for name, engine in engines.items()}
+            rows.append(row)
+            report(row)
+            if args.json:  # after every test, so that a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"device": bench.device_name(), "mlx": mx.__version__, "model": args.model,
+                               "n_gen": args.n_gen, "rounds": args.rounds, "rows": rows}, f, indent=1)
+
+
+def report(row: dict) -> None:
+    print(f"\nbatch {row['batch']}, depth {row['depth']}")
+    print("| engine | gc | t/s (median) | host µs a step, graph + launch |")
+    print("| --- | --- | ---: | ---: |")
+    for run in row["runs"]:
+        graph, launch = run["host_us"]
+        print(f"| {run['engine']} | {'on' if run['gc'] else 'off'} | {statistics.median(run['tps']):.1f}"
+              f" | {graph:.0f} + {launch:.0f} |")
+    for name, top in row["profiles"].items():
+        print(f"\n{name}, under cProfile, µs a step (own / with callees), calls a step:")
+        for r in top:
+            print(f"  {r['own_us']:8.1f} {r['total_us']:8.1f} {r['calls']:6.1f}  {r['function']}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Two builds of the plain step side by side in one process, and mlx-lm's model in the same loop.
+
+    git archive REV mlxllama | tar x -C /tmp/before && mv /tmp/before/mlxllama /tmp/before/mlxllama_before
+    MLXLLAMA_CUDA_KERNELS=0 python benchmarks/step_ab.py MODEL.gguf --before /tmp/before
+        [--batches 1,8,16] [--depths 0,4096,8192] [-n 128] [--rounds 7] [--json OUT]
+
+"after" is this tree's mlxllama, "before" the package `mlxllama_before` found in the --before folder
+(another commit's mlxllama under that name: its imports are relative, so both load in one process).
+For each depth and batch, each engine's cache is filled with random keys and values
+(versus_mlx_lm.py's --fill random), and the three engines decode -n tokens in bench.time_steps's
+loop in turn, --rounds times, the order reversed every other round. It prints each engine's median
+tokens/s and host µs a step (building the graph + launching it), and after / before and after /
+mlx-lm as ratios of the medians with their spreads (slowest over fastest, fastest over slowest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+
+import mlx.core as mx
+
+from mlxllama import bench, load
+from versus_mlx_lm import MlxLm, filled_ours, host_us, random_ids, spread
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--before", required=True, metavar="DIR", help="the folder holding mlxllama_before")
+    parser.add_argument("--batches", default="1,8,16")
+    parser.add_argument("--depths", default="0,4096,8192")
+    parser.add_argument("-n", "--n-gen", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args()
+    sys.path.insert(0, args.before)
+    try:
+        before_package = importlib.import_module("mlxllama_before")
+    except ImportError:
+        sys.exit(f"step_ab.py: no mlxllama_before in {args.before}")
+    after, before = load(args.model), before_package.load(args.model)
+    if after.model.decode_step.uses_kernels or before.model.decode_step.uses_kernels:
+        sys.exit("step_ab.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
+    theirs = MlxLm(after.config, after.model.compute_dtype)
+    vocab = after.config.vocab_size
+    rows = []
+    for depth in (int(d) for d in args.depths.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            caches = {"after": filled_ours(after, batch, depth, args.n_gen),
+                      "before": filled_ours(before, batch, depth, args.n_gen),
+                      "mlx-lm": theirs.filled(batch, depth, args.n_gen, after.model.compute_dtype)}
+            steps = {"after": lambda t: after.model.step(t, caches["after"]),
+                     "before": lambda t: before.model.step(t, caches["before"]),
+                     "mlx-lm": lambda t: theirs.model(t, cache=caches["mlx-lm"])[:, -1]}
+
+            def timed(name: str, seed: int, host: list | None) -> float:
+                seconds = bench.time_steps(steps[name], random_ids(vocab, batch, 1, seed), args.n_gen, host)
+                bench.cut_back(caches[name], depth)
+                return batch * args.n_gen / seconds
+
+            for name in steps:  # warm-up: each shape's kernels compile off the clock
+                timed(name, 10_000, None)
+            tps, host = {name: [] for name in steps}, {name: [] for name in steps}
+            for round_ in range(args.rounds):
+                for name in list(steps) if round_ % 2 == 0 else reversed(steps):
+                    tps[name].append(timed(name, round_, host[name]))
+            row = {"batch": batch, "depth": depth, "tps": tps, "host_us": {n: host_us(h) for n, h in host.items()}}
+            for other in ("before", "mlx-lm"):
+                row[f"after/{other}"] = statistics.median(tps["after"]) / statistics.median(tps[other])
+                row[f"after/{other} spread"] = spread(tps["after"], tps[other])
+            rows.append(row)
+            print(f"b={batch} d={depth}: " + report(row), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device": bench.device_name(), "mlx": mx.__version__, "model": args.model,
+                               "n_gen": args.n_gen, "rounds": args.rounds, "rows": rows}, f, indent=1)
+
+
+def report(row: dict) -> str:
+    """Each engine's median tokens/s and host µs (graph + launch), then the ratios with their spreads."""
+    engines = [f"{name} {statistics.median(tps):.1f} t/s ({row['host_us'][name][0]:.0f} + {row['host_us'][name][1]:.0f} µs)"
+               for name, tps in row["tps"].items()]
+    ratios = []
+    for other in ("before", "mlx-lm"):
+        low, high = row[f"after/{other} spread"]
+        ratios.append(f"after/{other} {row[f'after/{other}']:.2f}× ({low:.2f}–{high:.2f})")
+    return ", ".join(engines) + "; " + "; ".join(ratios)
+
+
+if __name__ == "__main__":
+    main()
