@@ -182,8 +182,8 @@ def slot_range(buffer: Buffer, begin: int, end: int) -> Buffer:
     # Written out rather than through kv_map: every layer calls this (and write) each decode step,
     # and the host's time bounds a step.
     if isinstance(buffer, tuple):
-        return tuple(a[..., begin:end, :] for a in buffer)
-    return buffer[..., begin:end, :]
+        return tuple(a[:, :, begin:end] for a in buffer)
+    return buffer[:, :, begin:end]
 
 
 def allocate(like: Buffer, slots: int, rows: int | None = None) -> Buffer:
@@ -195,10 +195,10 @@ def allocate(like: Buffer, slots: int, rows: int | None = None) -> Buffer:
 def write(buffer: Buffer, slot: int, new: Buffer) -> None:
     """Put `new` into the buffer from `slot` on, in place."""
     if not isinstance(buffer, tuple):
-        buffer[..., slot : slot + new.shape[2], :] = new
+        buffer[:, :, slot : slot + new.shape[2]] = new
         return
     for a, b in zip(buffer, new):
-        a[..., slot : slot + b.shape[2], :] = b
+        a[:, :, slot : slot + b.shape[2]] = b
 
 
 def causal_mask(length: int, offset: int = 0, window: int = 0) -> str | mx.array | None:
@@ -322,6 +322,14 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
         """Append keys/values of shape [batch, kv_heads, new, head_dim]; return everything cached so far."""
         new = keys.shape[2]
+        end = self.offset + new
+        if self.quantization is None and self.keys is not None and end <= self.keys.shape[2]:
+            # What nearly every decode step finds, written out: every layer makes this call each step,
+            # and building the step's graph is host time, which bounds a step.
+            self.keys[:, :, self.offset : end] = keys
+            self.values[:, :, self.offset : end] = values
+            self.offset = end
+            return self.keys[:, :, :end], self.values[:, :, :end]
         keys, values, keys_from = self._stored(keys, values)
         # The values' room decides: keys by channel may hold whole blocks past it (a file's prefix).
         if self.keys is None or self.offset + new > capacity(self.values):

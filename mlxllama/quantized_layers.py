@@ -149,8 +149,10 @@ class NativeLinear(nn.Module):
         # access to a module's arrays goes the slow way round (nn.Module.__getattr__).
         scales, biases = input_typed(x, self["scales"], self["biases"] if "biases" in self else None)
         # As one 2-D product: on an H100 a [batch, 1, in] input made batched decoding 3.8 times
-        # slower than the same rows as [batch, in]. A single row goes as it is.
-        rows = x if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
+        # slower than the same rows as [batch, in], and on an H200 with MLX 0.32.4 16 sequences still
+        # decoded at 0.60-0.69x without these two reshapes (docs/benchmarks.md). A single row goes as it is.
+        shape = x.shape
+        rows = x if x.size == shape[-1] else x.reshape(-1, shape[-1])
         if rows.shape[0] >= self.expand_rows and mx.default_device() == mx.gpu:
             w = mx.dequantize(self["weight"], scales, biases, group_size=self.group_size, bits=self.bits)
             y = rows @ w.astype(x.dtype).T
@@ -158,7 +160,7 @@ class NativeLinear(nn.Module):
             y = mx.quantized_matmul(rows, self["weight"], scales, biases, transpose=True,
                                     group_size=self.group_size, bits=self.bits)
         if rows is not x:
-            y = y.reshape(*x.shape[:-1], -1)
+            y = y.reshape(*shape[:-1], -1)
         return y + self["bias"] if "bias" in self else y
 
 

@@ -38,7 +38,7 @@ class RMSNorm(nn.RMSNorm):
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x).astype(self.compute_dtype)
+        return mx.fast.rms_norm(x, self["weight"], self.eps).astype(self.compute_dtype)
 
 
 # Element-wise steps of a layer as one kernel each: uncompiled, MLX would launch the cast of y, and
@@ -64,6 +64,10 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
 
 
 class Block(nn.Module):
+    """One layer. Its calls reach their modules by item (self["attn_norm"]), not as attributes: a
+    module's children are attributes only by way of nn.Module.__getattr__, ten times as slow, and a
+    decode step's graph is built a few hundred such calls at a time while the host's time bounds it."""
+
     def __init__(self, config: ModelConfig, compute_dtype: mx.Dtype, index: int = 0, group=None):
         super().__init__()
         self.config = config
@@ -132,11 +136,11 @@ class Block(nn.Module):
         batch, length, _ = x.shape
         qk_dim = (c.n_heads + c.n_kv_heads) * c.head_dim
         if "attn_qkv" in self:
-            qk, v = mx.split(self.attn_qkv(x), [qk_dim], axis=-1)
+            qk, v = mx.split(self["attn_qkv"](x), [qk_dim], axis=-1)
         elif "attn_qk" in self:
-            qk, v = self.attn_qk(x), self.attn_v(x)
+            qk, v = self["attn_qk"](x), self["attn_v"](x)
         else:
-            qk, v = None, self.attn_v(x)
+            qk, v = None, self["attn_v"](x)
         v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         if qk is not None and "attn_q_norm" not in self:
             return qk.reshape(batch, length, -1, c.head_dim).transpose(0, 2, 1, 3), None, v
@@ -177,7 +181,7 @@ class Block(nn.Module):
             out = explicit_attention(q, k, v, self._attention_scale, mask)
         else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
-        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return self["attn_output"](out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def rope(self, x: mx.array, position) -> mx.array:
         """Heads [batch, heads, length, head_dim] turned for their positions (from `position` on)."""
@@ -196,13 +200,13 @@ class Block(nn.Module):
 
     def attention_residual(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         """What attention adds to the residual stream x."""
-        out = self.sum_shards(self.attention(self.attn_norm(x), mask, cache))
-        return self.post_attention_norm(out) if "post_attention_norm" in self else out
+        out = self.sum_shards(self.attention(self["attn_norm"](x), mask, cache))
+        return self["post_attention_norm"](out) if "post_attention_norm" in self else out
 
     def mlp_residual(self, h: mx.array) -> mx.array:
         """What the FFN adds to the residual stream h."""
-        out = self.sum_shards(self.mlp(self.ffn_norm(h)))
-        return self.post_ffw_norm(out) if "post_ffw_norm" in self else out
+        out = self.sum_shards(self.mlp(self["ffn_norm"](h)))
+        return self["post_ffw_norm"](out) if "post_ffw_norm" in self else out
 
     def sum_shards(self, out: mx.array) -> mx.array:
         """The whole projection's output from this rank's partial one (tensor parallel), else `out`."""
@@ -212,10 +216,10 @@ class Block(nn.Module):
         if "ffn_gate_inp" in self:
             return self.mixture(x)
         if "ffn_gate_up" in self:
-            gate, up = mx.split(self.ffn_gate_up(x), 2, axis=-1)
+            gate, up = mx.split(self["ffn_gate_up"](x), 2, axis=-1)
         else:
-            gate, up = self.ffn_gate(x), self.ffn_up(x)
-        return self.ffn_down(self._gated(gate, up))
+            gate, up = self["ffn_gate"](x), self["ffn_up"](x)
+        return self["ffn_down"](self._gated(gate, up))
 
 
     def mixture(self, x: mx.array) -> mx.array:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mlxllama
+from mlxllama.cache import KVCache, grown_size
 from mlxllama.generate import TextCollector, generate_tokens, prefill
 from mlxllama.sampling import SamplingParams, apply_repeat_penalty, filter_logits, make_sampler
 from conftest import find_fixture_model
@@ -77,6 +78,24 @@ def test_the_decode_step_matches_the_full_pass_across_buffer_growth_and_trim():
     stepped = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in other]
     np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:257] + other)[257:], atol=logit_tolerance(), rtol=0)
 
+
+
+def test_the_cache_writes_in_place_while_it_has_room_and_grows_by_whole_steps():
+    """KVCache's step without copies (a buffer with room, written in place) and its growth (a copy
+    into a buffer of whole GROWTH_STEPs) hold the same keys and values: every one appended, in order."""
+    rng = np.random.default_rng(0)
+    appended = [mx.array(rng.standard_normal((2, 3, n, 4)).astype(np.float16)) for n in [5] + [1] * 300 + [7]]
+    cache = KVCache()
+    for i, new in enumerate(appended):
+        before = cache.keys
+        keys, values = cache.update_and_fetch(new, -new)
+        grew = before is None or cache.offset > before.shape[2]
+        assert (cache.keys is not before) == grew and cache.keys.shape[2] == grown_size(cache.offset)
+        assert keys.shape == values.shape == (2, 3, cache.offset, 4)
+    assert cache.offset == 312 and cache.keys.shape[2] == 512
+    expected = np.concatenate([np.array(a) for a in appended], axis=2)
+    np.testing.assert_array_equal(np.array(keys), expected)
+    np.testing.assert_array_equal(np.array(values), -expected)
 
 
 def test_greedy_chat_answer_stops_at_eos():
