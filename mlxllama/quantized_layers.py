@@ -150,9 +150,10 @@ class NativeLinear(nn.Module):
         scales, biases = input_typed(x, self["scales"], self["biases"] if "biases" in self else None)
         # As one 2-D product: on an H100 a [batch, 1, in] input made batched decoding 3.8 times
         # slower than the same rows as [batch, in], and on an H200 with MLX 0.32.4 16 sequences still
-        # decoded at 0.60-0.69x without these two reshapes (docs/benchmarks.md). A single row goes as it is.
+        # decoded at 0.60-0.69x without these two reshapes (docs/benchmarks.md). Rows (a decode
+        # step's, Transformer.hidden_states) and a single row go as they are.
         shape = x.shape
-        rows = x if x.size == shape[-1] else x.reshape(-1, shape[-1])
+        rows = x if x.ndim == 2 or x.size == shape[-1] else x.reshape(-1, shape[-1])
         if rows.shape[0] >= self.expand_rows and mx.default_device() == mx.gpu:
             w = mx.dequantize(self["weight"], scales, biases, group_size=self.group_size, bits=self.bits)
             y = rows @ w.astype(x.dtype).T

@@ -63,6 +63,30 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * up
 
 
+def batch_and_length(x: mx.array) -> tuple[int, int]:
+    """The sequences and positions a layer's input [batch, length, hidden] holds; a decode step's
+    [batch, hidden] holds one position each (Transformer.hidden_states)."""
+    return (x.shape[0], 1) if x.ndim == 2 else x.shape[:2]
+
+
+def as_heads(x: mx.array, batch: int, length: int, heads: int, head_dim: int) -> mx.array:
+    """x [batch, length, heads × head_dim] (or [batch, length, heads, head_dim], or for one position
+    [batch, heads × head_dim]) as [batch, heads, length, head_dim]. One position's heads are already
+    in that order, so a decode step reshapes them without a transpose: one node fewer in its graph,
+    and each node costs the host time."""
+    if length == 1:
+        return x.reshape(batch, heads, 1, head_dim)
+    return x.reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def from_heads(x: mx.array, like: mx.array) -> mx.array:
+    """Attention's output [batch, heads, length, head_dim] laid out as the layer's input `like` is,
+    heads × head_dim last. Transposed first even for one position: MLX's attention may lay its
+    output out in another order (its cuDNN path follows the queries' strides), and then only the
+    transposed array reshapes without a copy."""
+    return x.transpose(0, 2, 1, 3).reshape(*like.shape[:-1], -1)
+
+
 class Block(nn.Module):
     """One layer. Its calls reach their modules by item (self["attn_norm"]), not as attributes: a
     module's children are attributes only by way of nn.Module.__getattr__, ten times as slow, and a
@@ -133,7 +157,7 @@ class Block(nn.Module):
         norms of their own, they stay together, as one array of n_heads + n_kv_heads heads with keys
         None, so that RoPE turns them in one kernel: a decode step on a GPU is bound by its launches."""
         c = self.config
-        batch, length, _ = x.shape
+        batch, length = batch_and_length(x)
         qk_dim = (c.n_heads + c.n_kv_heads) * c.head_dim
         if "attn_qkv" in self:
             qk, v = mx.split(self["attn_qkv"](x), [qk_dim], axis=-1)
@@ -141,19 +165,19 @@ class Block(nn.Module):
             qk, v = self["attn_qk"](x), self["attn_v"](x)
         else:
             qk, v = None, self["attn_v"](x)
-        v = v.reshape(batch, length, c.n_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = as_heads(v, batch, length, c.n_kv_heads, c.head_dim)
         if qk is not None and "attn_q_norm" not in self:
-            return qk.reshape(batch, length, -1, c.head_dim).transpose(0, 2, 1, 3), None, v
+            return as_heads(qk, batch, length, c.n_heads + c.n_kv_heads, c.head_dim), None, v
         q, k = mx.split(qk, [c.n_heads * c.head_dim], axis=-1) if qk is not None else (self.attn_q(x), self.attn_k(x))
         q = q.reshape(batch, length, c.n_heads, c.head_dim)
         k = k.reshape(batch, length, c.n_kv_heads, c.head_dim)
         if "attn_q_norm" in self:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
+        return as_heads(q, batch, length, c.n_heads, c.head_dim), as_heads(k, batch, length, c.n_kv_heads, c.head_dim), v
 
     def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         c = self.config
-        batch, length, _ = x.shape
+        length = batch_and_length(x)[1]
         q, k, v = self.queries_keys_values(x)
         # A BatchKVCache's offset is an array: one position per row.
         position = cache.offset if cache is not None else 0
@@ -181,7 +205,7 @@ class Block(nn.Module):
             out = explicit_attention(q, k, v, self._attention_scale, mask)
         else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
-        return self["attn_output"](out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return self["attn_output"](from_heads(out, x))
 
     def rope(self, x: mx.array, position) -> mx.array:
         """Heads [batch, heads, length, head_dim] turned for their positions (from `position` on)."""
@@ -343,9 +367,17 @@ class Transformer(nn.Module):
         return self.head(self.hidden_states(tokens, cache))
 
     def hidden_states(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache] | None = None) -> mx.array:
-        """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only."""
+        """The last layer's output [batch, length, hidden], for callers that need logits of a few rows only.
+
+        A decode step's (one position a sequence) goes through the layers as rows [batch, hidden]:
+        each projection then takes them as they are, where [batch, 1, hidden] would be reshaped to
+        rows and back around every product (as one product of `batch` rows is the fast one), two
+        graph nodes a product that cost the host time."""
+        batch, length = tokens.shape
         h = self.embed(tokens)
-        masks = self.masks(tokens.shape[1], cache)
+        if length == 1:
+            h = h.reshape(batch, -1)
+        masks = self.masks(length, cache)
 
         def own_blocks(h: mx.array) -> mx.array:
             h_compute = None
@@ -354,7 +386,8 @@ class Transformer(nn.Module):
             return h
 
         stage = self.shard if self.shard and self.shard.mode == "pipeline" else None
-        return pipeline(h, stage, own_blocks) if stage else own_blocks(h)
+        h = pipeline(h, stage, own_blocks) if stage else own_blocks(h)
+        return h.reshape(batch, 1, -1) if length == 1 else h
 
     def embed(self, tokens: mx.array) -> mx.array:
         """tokens [batch, length] -> the residual stream's start [batch, length, hidden] (float32)."""
