@@ -183,7 +183,7 @@ class Block(nn.Module):
         position = cache.offset if cache is not None else 0
         if k is None:  # q holds the queries' heads, then the keys': one RoPE kernel turns both
             qk = self.rope(q, position)
-            q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
+            q, k = mx.split(qk, [c.n_heads], axis=1)
         else:
             q, k = self.rope(q, position), self.rope(k, position)
         if cache is not None:
