@@ -168,12 +168,16 @@ class Block(nn.Module):
         v = as_heads(v, batch, length, c.n_kv_heads, c.head_dim)
         if qk is not None and "attn_q_norm" not in self:
             return as_heads(qk, batch, length, c.n_heads + c.n_kv_heads, c.head_dim), None, v
-        q, k = mx.split(qk, [c.n_heads * c.head_dim], axis=-1) if qk is not None else (self.attn_q(x), self.attn_k(x))
+        if qk is not None:
+            q, k = mx.split(qk, [c.n_heads * c.head_dim], axis=-1)
+        else:
+            q, k = self["attn_q"](x), self["attn_k"](x)
         q = q.reshape(batch, length, c.n_heads, c.head_dim)
         k = k.reshape(batch, length, c.n_kv_heads, c.head_dim)
         if "attn_q_norm" in self:
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        return as_heads(q, batch, length, c.n_heads, c.head_dim), as_heads(k, batch, length, c.n_kv_heads, c.head_dim), v
+            q, k = self["attn_q_norm"](q), self["attn_k_norm"](k)
+        q, k = as_heads(q, batch, length, c.n_heads, c.head_dim), as_heads(k, batch, length, c.n_kv_heads, c.head_dim)
+        return q, k, v
 
     def attention(self, x: mx.array, mask, cache: KVCache | BatchKVCache | None) -> mx.array:
         c = self.config
@@ -250,12 +254,12 @@ class Block(nn.Module):
         """The mixture-of-experts FFN, as llama.cpp computes it: softmax over the router's logits
         (float32), the top n_experts_used, their weights renormalized; the sum of those experts'
         SwiGLU outputs, each times its weight."""
-        probs = mx.softmax(self.ffn_gate_inp(x).astype(mx.float32), axis=-1)
+        probs = mx.softmax(self["ffn_gate_inp"](x).astype(mx.float32), axis=-1)
         k = self.config.n_experts_used
         chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [..., k], in no order
         weights = mx.take_along_axis(probs, chosen, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)
-        out = expert_outputs(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self._gated, x, chosen)
+        out = expert_outputs(self["ffn_gate_exps"], self["ffn_up_exps"], self["ffn_down_exps"], self._gated, x, chosen)
         return (out.astype(mx.float32) * weights[..., None]).sum(axis=-2).astype(x.dtype)
 
 
