@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from mlxllama import bench
 from mlxllama.errors import MlxLlamaError
 from mlxllama.runtime import read_header
 from mlxllama.weights import load_model
+from host_profile import profile_lines, top_functions
 from versus_mlx_lm import MlxLm, filled_ours
 
 
@@ -95,11 +95,7 @@ def main():
         build_seconds(step, token, cache, args.depth, args.reps)
         profiler.disable()
         print(f"\n{name}, under cProfile, µs a build (own, with callees), calls a build:")
-        stats = pstats.Stats(profiler).stats
-        rows = sorted(stats.items(), key=lambda item: -item[1][2])[: args.profile]
-        for (path, line, function), (_, calls, own, total, _) in rows:
-            where = function if path == "~" else f"{path.rsplit('/', 1)[-1]}:{line}({function})"
-            print(f"  {own / args.reps * 1e6:8.1f} {total / args.reps * 1e6:8.1f} {calls / args.reps:6.1f}  {where}")
+        print("\n".join(profile_lines(top_functions(profiler, args.reps, args.profile))))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ from mlxllama.errors import MlxLlamaError
 from versus_mlx_lm import MlxLm, filled_ours, host_us, random_ids
 
 
+def make_engine(step, cache: list, vocab: int) -> dict:
+    """What decode times: `step(tokens, cache)` giving the logits [rows, vocab] after the tokens, over `cache`."""
+    return {"step": lambda tokens: step(tokens, cache), "cache": cache, "vocab": vocab}
+
+
 def decode(engine: dict, batch: int, depth: int, n_gen: int, seed: int, host: list | None) -> float:
     """Tokens/s of n_gen steps from the engine's cache at `depth`, cut back to it afterwards."""
     token = random_ids(engine["vocab"], batch, 1, seed)
@@ -54,15 +59,24 @@ def profiled(engine: dict, batch: int, depth: int, n_gen: int, top: int) -> list
     profiler.enable()
     decode(engine, batch, depth, n_gen, 0, None)
     profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    rows = [{"function": label(key), "own_us": own / n_gen * 1e6, "total_us": total / n_gen * 1e6,
-             "calls": calls / n_gen} for key, (_, calls, own, total, _) in stats.items()]
+    return top_functions(profiler, n_gen, top)
+
+
+def top_functions(profiler: cProfile.Profile, repetitions: int, top: int) -> list[dict]:
+    """The `top` functions by time of their own under `profiler`, in µs and calls a repetition."""
+    rows = [{"function": label(key), "own_us": own / repetitions * 1e6, "total_us": total / repetitions * 1e6,
+             "calls": calls / repetitions} for key, (_, calls, own, total, _) in pstats.Stats(profiler).stats.items()]
     return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
 def label(key: tuple) -> str:
     path, line, name = key
     return name if path == "~" else f"{os.path.basename(path)}:{line}({name})"
+
+
+def profile_lines(rows: list[dict]) -> list[str]:
+    """top_functions' rows as printed: µs of their own and with callees, calls, the function."""
+    return [f"  {r['own_us']:8.1f} {r['total_us']:8.1f} {r['calls']:6.1f}  {r['function']}" for r in rows]
 
 
 def main():
@@ -87,16 +101,13 @@ def main():
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            ours_cache = filled_ours(runtime, batch, depth, args.n_gen)
-            theirs_cache = theirs.filled(batch, depth, args.n_gen, runtime.model.compute_dtype)
-            engines = {
-                "ours": {"cache": ours_cache, "vocab": runtime.config.vocab_size,
-                         "step": lambda tokens, c=ours_cache: runtime.model.step(tokens, c)},
-                "mlx-lm": {"cache": theirs_cache, "vocab": runtime.config.vocab_size,
-                           "step": lambda tokens, c=theirs_cache: theirs.model(tokens, cache=c)[:, -1]}}
+            vocab, dtype = runtime.config.vocab_size, runtime.model.compute_dtype
+            engines = {"ours": make_engine(runtime.model.step, filled_ours(runtime, batch, depth, args.n_gen), vocab),
+                       "mlx-lm": make_engine(lambda t, c: theirs.model(t, cache=c)[:, -1],
+                                             theirs.filled(batch, depth, args.n_gen, dtype), vocab)}
             runs = {(name, mode): {"tps": [], "host": []} for name in engines for mode in ("gc", "no gc")}
-            for engine in engines.values():  # warm-up: each shape's kernels compile off the clock
-                decode(engine, batch, depth, args.n_gen, 10_000, None)
+            for timed in engines.values():  # warm-up: each shape's kernels compile off the clock
+                decode(timed, batch, depth, args.n_gen, 10_000, None)
             for round_ in range(args.rounds):
                 order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
                 for name, mode in order:
@@ -106,8 +117,8 @@ def main():
             row = {"batch": batch, "depth": depth, "runs": [
                 {"engine": name, "gc": mode == "gc", "tps": run["tps"], "host_us": host_us(run["host"])}
                 for (name, mode), run in runs.items()]}
-            row["profiles"] = {name: profiled(engine, batch, depth, args.n_gen, args.top)
-                               for name, engine in engines.items()}
+            row["profiles"] = {name: profiled(timed, batch, depth, args.n_gen, args.top)
+                               for name, timed in engines.items()}
             rows.append(row)
             report(row)
             if args.json:  # after every test, so that a run cut short keeps what it measured
@@ -126,8 +137,7 @@ def report(row: dict) -> None:
               f" | {graph:.0f} + {launch:.0f} |")
     for name, top in row["profiles"].items():
         print(f"\n{name}, under cProfile, µs a step (own / with callees), calls a step:")
-        for r in top:
-            print(f"  {r['own_us']:8.1f} {r['total_us']:8.1f} {r['calls']:6.1f}  {r['function']}")
+        print("\n".join(profile_lines(top)))
     sys.stdout.flush()
 
 

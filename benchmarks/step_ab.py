@@ -24,7 +24,9 @@ import sys
 import mlx.core as mx
 
 from mlxllama import bench, load
-from versus_mlx_lm import MlxLm, filled_ours, host_us, random_ids, spread
+from mlxllama.errors import MlxLlamaError
+from host_profile import decode, make_engine
+from versus_mlx_lm import MlxLm, filled_ours, host_us, spread
 
 
 def main():
@@ -42,7 +44,11 @@ def main():
         before_package = importlib.import_module("mlxllama_before")
     except ImportError:
         sys.exit(f"step_ab.py: no mlxllama_before in {args.before}")
-    after, before = load(args.model), before_package.load(args.model)
+    try:
+        after, before = load(args.model), before_package.load(args.model)
+    except (MlxLlamaError, before_package.errors.MlxLlamaError) as e:
+        print(f"step_ab.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     if after.model.decode_step.uses_kernels or before.model.decode_step.uses_kernels:
         sys.exit("step_ab.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
     theirs = MlxLm(after.config, after.model.compute_dtype)
@@ -50,24 +56,16 @@ def main():
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            caches = {"after": filled_ours(after, batch, depth, args.n_gen),
-                      "before": filled_ours(before, batch, depth, args.n_gen),
-                      "mlx-lm": theirs.filled(batch, depth, args.n_gen, after.model.compute_dtype)}
-            steps = {"after": lambda t: after.model.step(t, caches["after"]),
-                     "before": lambda t: before.model.step(t, caches["before"]),
-                     "mlx-lm": lambda t: theirs.model(t, cache=caches["mlx-lm"])[:, -1]}
-
-            def timed(name: str, seed: int, host: list | None) -> float:
-                seconds = bench.time_steps(steps[name], random_ids(vocab, batch, 1, seed), args.n_gen, host)
-                bench.cut_back(caches[name], depth)
-                return batch * args.n_gen / seconds
-
-            for name in steps:  # warm-up: each shape's kernels compile off the clock
-                timed(name, 10_000, None)
-            tps, host = {name: [] for name in steps}, {name: [] for name in steps}
+            engines = {name: make_engine(runtime.model.step, filled_ours(runtime, batch, depth, args.n_gen), vocab)
+                       for name, runtime in (("after", after), ("before", before))}
+            engines["mlx-lm"] = make_engine(lambda t, c: theirs.model(t, cache=c)[:, -1],
+                                            theirs.filled(batch, depth, args.n_gen, after.model.compute_dtype), vocab)
+            for name in engines:  # warm-up: each shape's kernels compile off the clock
+                decode(engines[name], batch, depth, args.n_gen, 10_000, None)
+            tps, host = {name: [] for name in engines}, {name: [] for name in engines}
             for round_ in range(args.rounds):
-                for name in list(steps) if round_ % 2 == 0 else reversed(steps):
-                    tps[name].append(timed(name, round_, host[name]))
+                for name in list(engines) if round_ % 2 == 0 else reversed(engines):
+                    tps[name].append(decode(engines[name], batch, depth, args.n_gen, round_, host[name]))
             row = {"batch": batch, "depth": depth, "tps": tps, "host_us": {n: host_us(h) for n, h in host.items()}}
             for other in ("before", "mlx-lm"):
                 row[f"after/{other}"] = statistics.median(tps["after"]) / statistics.median(tps[other])
@@ -82,8 +80,10 @@ def main():
 
 def report(row: dict) -> str:
     """Each engine's median tokens/s and host µs (graph + launch), then the ratios with their spreads."""
-    engines = [f"{name} {statistics.median(tps):.1f} t/s ({row['host_us'][name][0]:.0f} + {row['host_us'][name][1]:.0f} µs)"
-               for name, tps in row["tps"].items()]
+    engines = []
+    for name, tps in row["tps"].items():
+        graph, launch = row["host_us"][name]
+        engines.append(f"{name} {statistics.median(tps):.1f} t/s ({graph:.0f} + {launch:.0f} µs)")
     ratios = []
     for other in ("before", "mlx-lm"):
         low, high = row[f"after/{other} spread"]

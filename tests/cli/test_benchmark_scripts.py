@@ -236,6 +236,12 @@ def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_p
                               "--before", str(tmp_path / "nowhere")], cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip().endswith("step_ab.py: no mlxllama_before in "
                                                                        + str(tmp_path / "nowhere"))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(find_fixture_model("chat-tiny-Q4_K_M.gguf").read_bytes()[:300])
+    refused = subprocess.run([sys.executable, "benchmarks/step_ab.py", str(truncated), "--before", str(tmp_path)],
+                             cwd=REPO, capture_output=True, text=True)
+    errors = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert refused.returncode == 2 and len(errors) == 1 and "truncated or corrupt" in errors[0]
 
 
 def test_kv_key_grouping_measures_what_the_quantized_cache_does(tmp_path):
