@@ -32,7 +32,8 @@ from versus_mlx_lm import MlxLm, filled_ours, host_us, spread
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--before", required=True, metavar="DIR", help="the folder holding mlxllama_before")
+    parser.add_argument("--before", required=True, metavar="DIR", help="the folder holding another commit's mlxllama as mlxllama_before: git archive REV "
+                             "mlxllama | tar x -C DIR && mv DIR/mlxllama DIR/mlxllama_before")
     parser.add_argument("--batches", default="1,8,16")
     parser.add_argument("--depths", default="0,4096,8192")
     parser.add_argument("-n", "--n-gen", type=int, default=128)
