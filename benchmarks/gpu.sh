@@ -65,7 +65,9 @@
 #                                                 # as $OUT/multi-PHASE.tgz (benchmarks/multi_gpu_table.py reads them)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
-#                                                 # of our plain step and of mlx-lm's (kernel_trace.py)
+#                                                 # of our plain step and of mlx-lm's (kernel_trace.py), and where
+#                                                 # each one's host time goes inside MLX at depth 0 and 4096
+#                                                 # (native_profile.py, py-spy's native stacks)
 #
 # The calls must follow each other while the machine is warm (it is given back 30 s after a call).
 # Every command there runs with PYTHONPATH=$GPU_WORK/site; results are written under $OUT when set.
@@ -94,10 +96,11 @@ payload() {
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_5_x86_64 \
         --platform any -d "$tmp/dl" \
         mlx==0.32.4 mlx-cuda-13==0.32.4 gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0 llguidance==1.9.1 \
         jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
-        pytest-xdist==3.8.0 execnet==2.1.2
+        pytest-xdist==3.8.0 execnet==2.1.2 py-spy==0.4.3
     mkdir -p "$tmp/site"
     for wheel in "$tmp"/dl/*.whl; do unzip -q -o "$wheel" -d "$tmp/site"; done
     (cd "$tmp/site" && tar cf - . | xz -9 -T0 > "$tmp/site.tar.xz")
@@ -465,6 +468,16 @@ versus() {  # the plain MLX step against mlx-lm's loop (#22), in one process; th
         log "kernel trace: $step"
         MLXLLAMA_CUDA_KERNELS=0 timeout 90 python3 benchmarks/kernel_trace.py "$deep" $([ $step = model-step ] || echo --$step) \
             --json "$out/kernel-trace-$step.json" | sed -n 6,10p
+    done
+    # py-spy's binary, unpacked from its wheel with the rest (payload): where native_profile.py finds it
+    PATH=$(dirname "$(ls "$work"/site/py_spy-*.data/scripts/py-spy)"):$PATH
+    local engine depth
+    for depth in 0 4096; do
+        for engine in ours mlx-lm; do
+            log "native profile: $engine at depth $depth"
+            MLXLLAMA_CUDA_KERNELS=0 timeout 60 python3 benchmarks/native_profile.py "$deep" --depth $depth --seconds 8 \
+                $([ $engine = ours ] || echo --mlx-lm) --json "$out/native-$engine-$depth.json" | sed -n 1,12p
+        done
     done
 }
 

@@ -32,6 +32,18 @@ from mlxllama.errors import MlxLlamaError
 from versus_mlx_lm import MlxLm, filled_ours, host_us, random_ids
 
 
+def load_checked(model: str, script: str, n_gen: int, depths: tuple[int, ...]):
+    """The model loaded, or the script's one-line error and exit 2 when it cannot be, or when tg<n_gen> at
+    the deepest depth does not fit its context."""
+    try:
+        runtime = load(model)
+        bench.check_fits(runtime, 0, n_gen, depths)
+    except MlxLlamaError as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return runtime
+
+
 def make_engine(step, cache: list, vocab: int) -> dict:
     """What decode times: `step(tokens, cache)` giving the logits [rows, vocab] after the tokens, over `cache`."""
     return {"step": lambda tokens: step(tokens, cache), "cache": cache, "vocab": vocab}
@@ -89,12 +101,7 @@ def main():
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
-    try:
-        runtime = load(args.model)
-        bench.check_fits(runtime, 0, args.n_gen, tuple(int(d) for d in args.depths.split(",")))
-    except MlxLlamaError as e:
-        print(f"host_profile.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    runtime = load_checked(args.model, "host_profile.py", args.n_gen, tuple(int(d) for d in args.depths.split(",")))
     if runtime.model.decode_step.uses_kernels:
         sys.exit("host_profile.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
     theirs = MlxLm(runtime.config, runtime.model.compute_dtype)

@@ -3,7 +3,8 @@
     python benchmarks/kernel_trace.py MODEL.gguf [--context 512] [--steps 20] [--mlx-lm] [--json OUT]
 
 Prints kernels per step, the device's busy time per step (the sum of kernel durations) against
-the wall time per step, and the kernels that take the most time. Run it with
+the wall time per step, the kernels that take the most time, and the host's CUDA runtime and
+driver calls (µs and calls a step, by name). Run it with
 MLXLLAMA_CUDA_KERNELS=0 to see the plain step, and with --mlx-lm to see mlx-lm's step on a model of
 the file's shape (benchmarks/versus_mlx_lm.py's).
 """
@@ -68,7 +69,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+        traced = json.load(open(path))["traceEvents"]
+    events = [e for e in traced if e.get("cat") == "kernel"]
+    # The host's side of the launches: what each CUDA runtime and driver call costs the thread that makes it.
+    api_us = collections.Counter()
+    api_calls = collections.Counter()
+    for e in traced:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            api_us[e["name"]] += e.get("dur", 0) / args.steps
+            api_calls[e["name"]] += 1 / args.steps
     busy = sum(e["dur"] for e in events) / args.steps
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / args.steps if events else 0
     by_name = collections.Counter()
@@ -82,6 +91,8 @@ def main():
         "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
         "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
         "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(40)],
+        "api_us_per_step": round(sum(api_us.values()), 1),
+        "api": [(name, round(us, 1), round(api_calls[name], 1)) for name, us in api_us.most_common(20)],
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -10,7 +10,8 @@ For each depth and batch, each engine's cache is filled with random keys and val
 (versus_mlx_lm.py's --fill random), and the three engines decode -n tokens in bench.time_steps's
 loop in turn, --rounds times, the order reversed every other round. It prints each engine's median
 tokens/s and host µs a step (building the graph + launching it), and after / before and after /
-mlx-lm as ratios of the medians with their spreads (slowest over fastest, fastest over slowest).
+mlx-lm as ratios of the medians with their spreads (slowest over fastest, fastest over slowest), and
+round by round (versus_mlx_lm.paired: the median of each round's own ratio, lowest to highest).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import mlx.core as mx
 from mlxllama import bench, load
 from mlxllama.errors import MlxLlamaError
 from host_profile import decode, make_engine
-from versus_mlx_lm import MlxLm, filled_ours, host_us, spread
+from versus_mlx_lm import MlxLm, filled_ours, host_us, paired, spread
 
 
 def main():
@@ -71,6 +72,7 @@ def main():
             for other in ("before", "mlx-lm"):
                 row[f"after/{other}"] = statistics.median(tps["after"]) / statistics.median(tps[other])
                 row[f"after/{other} spread"] = spread(tps["after"], tps[other])
+                row[f"after/{other} paired"] = paired(tps["after"], tps[other])
             rows.append(row)
             print(f"b={batch} d={depth}: " + report(row), flush=True)
             if args.json:
@@ -88,7 +90,9 @@ def report(row: dict) -> str:
     ratios = []
     for other in ("before", "mlx-lm"):
         low, high = row[f"after/{other} spread"]
-        ratios.append(f"after/{other} {row[f'after/{other}']:.2f}× ({low:.2f}–{high:.2f})")
+        median, lowest, highest = row[f"after/{other} paired"]
+        ratios.append(f"after/{other} {row[f'after/{other}']:.2f}× ({low:.2f}–{high:.2f}), round by round"
+                      f" {median:.2f}× ({lowest:.2f}–{highest:.2f})")
     return ", ".join(engines) + "; " + "; ".join(ratios)
 
 

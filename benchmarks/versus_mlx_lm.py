@@ -20,7 +20,8 @@ on a 2-core CPU mlx-lm prefills 16 rows of 8,192 ids in hours; chat-tiny's layou
 context, `synthetic.write(path, "chat-tiny", context=16384)`, is what the CPU's deep tests run on).
 Then the engines run in turn, --rounds times, which goes first alternating. The table gives the
 median of the rounds and the ratio of the medians (ours / mlx-lm) with its spread (slowest ours over
-fastest mlx-lm, fastest over slowest). It also gives what a Mac's speed follows: each step's launches
+fastest mlx-lm, fastest over slowest), and round by round: the median of each round's own ratio,
+with the lowest and highest (paired), which a shift of the whole process between rounds leaves alone. It also gives what a Mac's speed follows: each step's launches
 (mlxllama.step_cost) and the host's time to build and queue it, and the weights each engine holds.
 Random weights make the speeds real and the text meaningless.
 
@@ -210,6 +211,14 @@ def spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
     return min(ours) / max(theirs), max(ours) / min(theirs)
 
 
+def paired(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """The rounds' own ratios (each round's ours over the same round's theirs): median, lowest, highest.
+    A GPU machine's one-sequence speed can shift by half for every engine at once between rounds of
+    one process; a round's ratio cancels such a shift, where the ratio of the medians does not."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -274,7 +283,7 @@ def main():
         ours, mlx_lm = samples["ours"], samples["mlx-lm"]
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
                "ours": ours, "mlx_lm": mlx_lm, "ratio": statistics.median(ours) / statistics.median(mlx_lm),
-               "spread": spread(ours, mlx_lm)}
+               "spread": spread(ours, mlx_lm), "paired": paired(ours, mlx_lm)}
         if kind == "tg":
             row["ours_launches"] = sum(bench.step_launches(runtime, batch, depth, ours_cache).values())
             row["mlx_lm_launches"] = theirs.step_launches(theirs_cache, batch, depth)
@@ -296,16 +305,16 @@ def main():
 
     print(f"device: {bench.device_name()}, MLX {mx.__version__}, {args.rounds} rounds; weights held: ours "
           f"{ours_bytes / 2**20:.0f} MiB, mlx-lm {theirs.weight_bytes / 2**20:.0f} MiB")
-    print("| test | batch | depth | mlxllama t/s | mlx-lm t/s | ratio (spread) | launches/step mlxllama / mlx-lm"
-          " | host µs/step, graph + launch: mlxllama / mlx-lm |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| test | batch | depth | mlxllama t/s | mlx-lm t/s | ratio (spread) | round by round (range)"
+          " | launches/step mlxllama / mlx-lm | host µs/step, graph + launch: mlxllama / mlx-lm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     split = lambda us: f"{us[0]:.0f} + {us[1]:.0f}" if us else "–"  # noqa: E731
     for r in rows:
         launched = f"{r['ours_launches']} / {r['mlx_lm_launches']}" if "ours_launches" in r else ""
         hosted = f"{split(r['ours_host_us'])} / {split(r['mlx_lm_host_us'])}" if "ours_host_us" in r else ""
         print(f"| {r['test']} | {r['batch']} | {r['depth']} | {statistics.median(r['ours']):.1f} "
               f"| {statistics.median(r['mlx_lm']):.1f} | {r['ratio']:.2f}× ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
-              f" | {launched} | {hosted} |")
+              f" | {r['paired'][0]:.2f}× ({r['paired'][1]:.2f}–{r['paired'][2]:.2f}) | {launched} | {hosted} |")
     in_loop = [r for r in rows if "ours_generate_step" in r]
     if in_loop:
         print("\n| test | depth | ours in generate_step t/s | mlx-lm t/s | ratio (spread) | ours in our loop, ratio |")

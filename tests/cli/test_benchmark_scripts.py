@@ -3,6 +3,7 @@ maintainer runs them and kept in step with the code they instrument (their GPU r
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import shutil
@@ -132,6 +133,10 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
         assert len(r["ours"]) == len(r["mlx_lm"]) == 2
         assert r["ratio"] == pytest.approx(statistics.median(r["ours"]) / statistics.median(r["mlx_lm"]))
         assert r["spread"][0] <= r["ratio"] <= r["spread"][1]
+        # Round by round: each round's ours over the same round's mlx-lm, never outside the spread.
+        rounds = [a / b for a, b in zip(r["ours"], r["mlx_lm"])]
+        assert r["paired"] == pytest.approx([statistics.median(rounds), min(rounds), max(rounds)])
+        assert r["spread"][0] <= r["paired"][1] <= r["paired"][0] <= r["paired"][2] <= r["spread"][1]
         if r["test"] == "tg4":
             # mlx-lm's Llama launches a product per projection (7 a layer) and the head's.
             assert r["mlx_lm_launches"] > 7 * 6 and r["ours_launches"] > 0
@@ -230,6 +235,8 @@ def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_p
             ratio = statistics.median(r["tps"]["after"]) / statistics.median(r["tps"][other])
             assert r[f"after/{other}"] == pytest.approx(ratio)
             assert r[f"after/{other} spread"][0] <= ratio <= r[f"after/{other} spread"][1]
+            rounds = [a / b for a, b in zip(r["tps"]["after"], r["tps"][other])]
+            assert r[f"after/{other} paired"] == pytest.approx([statistics.median(rounds), min(rounds), max(rounds)])
         assert all(min(us) > 0 for us in r["host_us"].values())
     assert printed.count("after/before") == 4
     missing = subprocess.run([sys.executable, "benchmarks/step_ab.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
@@ -242,6 +249,62 @@ def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_p
                              cwd=REPO, capture_output=True, text=True)
     errors = [line for line in refused.stderr.splitlines() if "error" in line]
     assert refused.returncode == 2 and len(errors) == 1 and "truncated or corrupt" in errors[0]
+
+
+def test_native_profile_counts_a_frame_anywhere_on_a_stack_and_only_samples_of_the_timed_loop(tmp_path):
+    raw = tmp_path / "raw.txt"
+    # py-spy's raw format: a stack's frames, outermost first, joined by ';', then the samples that saw it.
+    raw.write_text(
+        "<module> (x.py:1);load (mlxllama/weights.py:71);mlx::core::eval (libmlx.so) 50\n"
+        "<module> (x.py:1);timed_decode (native_profile.py:81);Transformer.step (mlxllama/models/transformer.py:414) 3\n"
+        "<module> (x.py:1);timed_decode (native_profile.py:81);mlx::core::async_eval (libmlx.so);"
+        "mlx::core::fast::ScaledDotProductAttention::eval_gpu (libmlx.so);mlx::core::sdpa_cudnn (libmlx.so);"
+        "mlx::core::DnnGraph::encode_graph (libmlx.so) 4\n"
+        "<module> (x.py:1);timed_decode (native_profile.py:81);mlx::core::async_eval (libmlx.so);"
+        "mlx::core::cu::CommandEncoder::commit (libmlx.so) 1\n")
+    printed = run_script("benchmarks/native_profile.py", "--summarize", str(raw))
+    assert printed.startswith("8 samples in the timed loop")
+    shares = re.findall(r"^ +([\d.]+)%  +(.+)$", printed, re.M)
+    assert {label: float(share) for share, label in shares if float(share)} == {
+        "the step built in Python (ours)": 37.5, "MLX's evaluation, all of it": 62.5,
+        "attention (ScaledDotProductAttention::eval_gpu)": 50.0, "through cuDNN (sdpa_cudnn)": 50.0,
+        "cuDNN's CUDA graph updated (DnnGraph::encode_graph)": 50.0,
+        "the CUDA graph launched (CommandEncoder::commit)": 12.5}
+    # Gzipped, and with the samples under cuDNN's graph left out: 3 of Python's and 1 of the commit's remain.
+    zipped = tmp_path / "raw.txt.gz"
+    zipped.write_bytes(gzip.compress(raw.read_bytes()))
+    printed = run_script("benchmarks/native_profile.py", "--summarize", str(zipped), "--leave-out", "DnnGraph::encode_graph")
+    assert printed.startswith("4 samples in the timed loop") and "   75.0%  the step built in Python (ours)" in printed
+    # Another loop's samples, counted by naming its function: the 50 of the load, none of them in a step.
+    printed = run_script("benchmarks/native_profile.py", "--summarize", str(raw), "--loop-frame", "load")
+    assert printed.startswith("50 samples in the timed loop") and "    0.0%  the step built in Python (ours)" in printed
+    (tmp_path / "uncounted.txt").write_text("<module> (x.py:1);timed_decode (native_profile.py:81) x\n")
+    for args, message in ((["--summarize", str(tmp_path / "none.txt")], "none.txt: No such file"),
+                          (["--summarize", str(tmp_path / "uncounted.txt")], "not a raw py-spy file (line 1: no sample count)"),
+                          (["--summarize", str(raw), "--loop-frame", "run"], "raw.txt: no samples inside run()")):
+        refused = subprocess.run([sys.executable, "benchmarks/native_profile.py", *args], cwd=REPO,
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and message in refused.stderr
+
+
+def test_native_profile_samples_either_engine_decoding_under_py_spy(tmp_path):
+    model = str(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    for engine in ("ours", "mlx-lm"):
+        out, raw = tmp_path / f"{engine}.json", tmp_path / f"{engine}.txt"
+        printed = run_script("benchmarks/native_profile.py", model, "--depth", "64", "-n", "8", "--seconds", "3", "--rate", "200",
+                             "--raw", str(raw), "--json", str(out), *(["--mlx-lm"] if engine == "mlx-lm" else []))
+        report = json.loads(out.read_text())
+        assert printed.startswith(f"{engine}, batch 1, depth 64: ") and report["tokens_per_s"] > 0
+        assert report["samples"] > 10 and "timed_decode (native_profile.py:" in raw.read_text()
+        shares = report["shares"]
+        # Each engine's Python builds its step, and MLX evaluates it: the other engine's frames are never sampled.
+        assert shares[f"the step built in Python ({engine})"] > 0 and shares["MLX's evaluation, all of it"] > 0
+        assert shares[f"the step built in Python ({'ours' if engine == 'mlx-lm' else 'mlx-lm'})"] == 0
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(find_fixture_model("chat-tiny-Q4_K_M.gguf").read_bytes()[:300])
+    refused = subprocess.run([sys.executable, "benchmarks/native_profile.py", str(truncated)], cwd=REPO,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "truncated or corrupt" in refused.stderr
 
 
 def test_kv_key_grouping_measures_what_the_quantized_cache_does(tmp_path):
