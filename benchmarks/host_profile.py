@@ -49,6 +49,17 @@ def make_engine(step, cache: list, vocab: int) -> dict:
     return {"step": lambda tokens: step(tokens, cache), "cache": cache, "vocab": vocab}
 
 
+def ours_engine(runtime, batch: int, depth: int, n_gen: int) -> dict:
+    """The runtime's plain step over a cache holding `depth` random positions in each of `batch` rows."""
+    return make_engine(runtime.model.step, filled_ours(runtime, batch, depth, n_gen), runtime.config.vocab_size)
+
+
+def mlx_lm_engine(theirs: MlxLm, batch: int, depth: int, n_gen: int, dtype) -> dict:
+    """mlx-lm's model as ours_engine gives our step: its logits after the tokens, over a filled cache."""
+    return make_engine(lambda tokens, cache: theirs.model(tokens, cache=cache)[:, -1],
+                       theirs.filled(batch, depth, n_gen, dtype), theirs.config.vocab_size)
+
+
 def decode(engine: dict, batch: int, depth: int, n_gen: int, seed: int, host: list | None) -> float:
     """Tokens/s of n_gen steps from the engine's cache at `depth`, cut back to it afterwards."""
     token = random_ids(engine["vocab"], batch, 1, seed)
@@ -108,10 +119,8 @@ def main():
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            vocab, dtype = runtime.config.vocab_size, runtime.model.compute_dtype
-            engines = {"ours": make_engine(runtime.model.step, filled_ours(runtime, batch, depth, args.n_gen), vocab),
-                       "mlx-lm": make_engine(lambda t, c: theirs.model(t, cache=c)[:, -1],
-                                             theirs.filled(batch, depth, args.n_gen, dtype), vocab)}
+            engines = {"ours": ours_engine(runtime, batch, depth, args.n_gen),
+                       "mlx-lm": mlx_lm_engine(theirs, batch, depth, args.n_gen, runtime.model.compute_dtype)}
             runs = {(name, mode): {"tps": [], "host": []} for name in engines for mode in ("gc", "no gc")}
             for timed in engines.values():  # warm-up: each shape's kernels compile off the clock
                 decode(timed, batch, depth, args.n_gen, 10_000, None)

@@ -92,19 +92,17 @@ def timed_decode(engine: dict, batch: int, depth: int, n_gen: int, seconds: floa
 
 def loop(args) -> None:
     """The child under py-spy: decode for --seconds and print tokens/s."""
-    from host_profile import decode, make_engine
-    from versus_mlx_lm import MlxLm, filled_ours
+    from host_profile import decode, mlx_lm_engine, ours_engine
+    from versus_mlx_lm import MlxLm
 
     from mlxllama import load
 
     runtime = load(args.model)
-    vocab = runtime.config.vocab_size
     if args.mlx_lm:
         theirs = MlxLm(runtime.config, runtime.model.compute_dtype)
-        engine = make_engine(lambda t, c: theirs.model(t, cache=c)[:, -1],
-                             theirs.filled(args.batch, args.depth, args.n_gen, runtime.model.compute_dtype), vocab)
+        engine = mlx_lm_engine(theirs, args.batch, args.depth, args.n_gen, runtime.model.compute_dtype)
     else:
-        engine = make_engine(runtime.model.step, filled_ours(runtime, args.batch, args.depth, args.n_gen), vocab)
+        engine = ours_engine(runtime, args.batch, args.depth, args.n_gen)
     decode(engine, args.batch, args.depth, args.n_gen, 10_000, None)  # each kernel compiles off the clock
     print(f"{timed_decode(engine, args.batch, args.depth, args.n_gen, args.seconds):.1f} tokens/s", flush=True)
 

@@ -26,8 +26,8 @@ import mlx.core as mx
 
 from mlxllama import bench, load
 from mlxllama.errors import MlxLlamaError
-from host_profile import decode, make_engine
-from versus_mlx_lm import MlxLm, filled_ours, host_us, paired, spread
+from host_profile import decode, mlx_lm_engine, ours_engine
+from versus_mlx_lm import MlxLm, host_us, paired, spread
 
 
 def main():
@@ -54,14 +54,12 @@ def main():
     if after.model.decode_step.uses_kernels or before.model.decode_step.uses_kernels:
         sys.exit("step_ab.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
     theirs = MlxLm(after.config, after.model.compute_dtype)
-    vocab = after.config.vocab_size
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            engines = {name: make_engine(runtime.model.step, filled_ours(runtime, batch, depth, args.n_gen), vocab)
+            engines = {name: ours_engine(runtime, batch, depth, args.n_gen)
                        for name, runtime in (("after", after), ("before", before))}
-            engines["mlx-lm"] = make_engine(lambda t, c: theirs.model(t, cache=c)[:, -1],
-                                            theirs.filled(batch, depth, args.n_gen, after.model.compute_dtype), vocab)
+            engines["mlx-lm"] = mlx_lm_engine(theirs, batch, depth, args.n_gen, after.model.compute_dtype)
             for name in engines:  # warm-up: each shape's kernels compile off the clock
                 decode(engines[name], batch, depth, args.n_gen, 10_000, None)
             tps, host = {name: [] for name in engines}, {name: [] for name in engines}

@@ -21,8 +21,9 @@ context, `synthetic.write(path, "chat-tiny", context=16384)`, is what the CPU's 
 Then the engines run in turn, --rounds times, which goes first alternating. The table gives the
 median of the rounds and the ratio of the medians (ours / mlx-lm) with its spread (slowest ours over
 fastest mlx-lm, fastest over slowest), and round by round: the median of each round's own ratio,
-with the lowest and highest (paired), which a shift of the whole process between rounds leaves alone. It also gives what a Mac's speed follows: each step's launches
-(mlxllama.step_cost) and the host's time to build and queue it, and the weights each engine holds.
+with the lowest and highest (paired), which a shift of the whole process between rounds leaves
+alone. It also gives what a Mac's speed follows: each step's launches (mlxllama.step_cost) and the
+host's time to build and queue it, and the weights each engine holds.
 Random weights make the speeds real and the text meaningless.
 
 `--ours-generate-step` times our model's one sequence through mlx-lm's `generate_step` too, as a third
