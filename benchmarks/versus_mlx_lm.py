@@ -46,7 +46,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxllama import bench, load
-from mlxllama.cache import grown_size
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import PREFILL_CHUNK
 from mlxllama.step_cost import launches
@@ -69,15 +68,16 @@ def import_mlx_lm():
         module.__getattr__ = lambda attr: Anything(attr, (), {})
         sys.modules[name] = module
 
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None:
-        sys.exit("mlx-lm is not installed: pip install -e \".[bench]\" (or pip install --no-deps mlx-lm==0.32.2)")
+    # find_spec refuses a module already imported without a spec (the stand-ins, from an earlier call).
     if "mlx_lm" not in sys.modules:
+        spec = importlib.util.find_spec("mlx_lm")
+        if spec is None:
+            sys.exit("mlx-lm is not installed: pip install -e \".[bench]\" (or pip install --no-deps mlx-lm==0.32.2)")
         package = types.ModuleType("mlx_lm")
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["mlx_lm"] = package
     for name in ("transformers", "huggingface_hub"):
-        if importlib.util.find_spec(name) is None:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
             stand_in(name)
             if name == "transformers":
                 stand_in("transformers.tokenization_utils_base")
@@ -127,10 +127,14 @@ class MlxLm:
         return cache
 
     def filled(self, batch: int, depth: int, n_gen: int, dtype: mx.Dtype) -> list:
-        """A cache holding `depth` random keys and values in each of `batch` rows (random_kv)."""
+        """A cache holding `depth` random keys and values in each of `batch` rows, in buffers as
+        mlx-lm's KVCache grows them (steps of its `step`) with room for the run's n_gen + 1 positions,
+        so that it does not grow (copy) them while timed."""
         cache = self.make_cache()
-        for layer, (keys, values) in zip(cache, random_kv(self.config, batch, depth, n_gen, dtype, len(cache))):
-            layer.keys, layer.values, layer.offset = keys, values, depth  # mlx-lm's KVCache, as it grows
+        step = cache[0].step
+        slots = -(-(depth + n_gen + 1) // step) * step
+        for layer, (keys, values) in zip(cache, random_kv(self.config, batch, slots, dtype, len(cache))):
+            layer.keys, layer.values, layer.offset = keys, values, depth
         return cache
 
     def time_generation(self, cache: list, batch: int, n_gen: int, seed: int, depth: int, host: list[tuple],
@@ -176,12 +180,9 @@ def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed:
     return seconds
 
 
-def random_kv(config, batch: int, depth: int, n_gen: int, dtype: mx.Dtype, layers: int):
-    """Each layer's random keys and values [batch, kv_heads, capacity, head_dim], `capacity` a
-    growth step's multiple with room for the run's n_gen + 1 positions past `depth`, so that neither
-    engine grows (copies) its buffers while timed."""
-    capacity = grown_size(depth + n_gen + 1)
-    shape = (batch, config.n_kv_heads, capacity, config.head_dim)
+def random_kv(config, batch: int, slots: int, dtype: mx.Dtype, layers: int):
+    """Each layer's random keys and values [batch, kv_heads, slots, head_dim]."""
+    shape = (batch, config.n_kv_heads, slots, config.head_dim)
     for _ in range(layers):
         keys, values = mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
         mx.eval(keys, values)
@@ -190,11 +191,15 @@ def random_kv(config, batch: int, depth: int, n_gen: int, dtype: mx.Dtype, layer
 
 def filled_ours(runtime, batch: int, depth: int, n_gen: int) -> list:
     """Our cache holding `depth` random keys and values in each of `batch` rows, as a prompt cache
-    restores one."""
+    restores one, then grown as the cache grows itself (the runtime's own sizes, which decide
+    MLX's attention kernel on CUDA) with room for the run's n_gen + 1 positions, so that it does not
+    grow (copy) its buffers while timed."""
     cache = runtime.model.make_cache()
-    for layer, (keys, values) in zip(cache, random_kv(runtime.config, batch, depth, n_gen,
+    for layer, (keys, values) in zip(cache, random_kv(runtime.config, batch, depth,
                                                       runtime.model.compute_dtype, len(cache))):
         layer.restore(keys, values, 0, depth)
+        layer.make_room(n_gen + 1)
+        mx.eval(layer.keys, layer.values)
     return cache
 
 

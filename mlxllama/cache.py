@@ -23,9 +23,18 @@ GROWTH_STEP = 256
 CHANNEL_BLOCK = 32
 
 
-def grown_size(slots: int) -> int:
-    """The slots a growing buffer allocates to hold `slots`: whole steps of GROWTH_STEP."""
-    return -(-slots // GROWTH_STEP) * GROWTH_STEP
+# MLX's CUDA backend hands a one-position query to cuDNN's attention when the keys are a slice of a
+# buffer whose length is a multiple of 256 (its test for mlx-lm's cache), and to its own vector
+# kernel otherwise. For one sequence cuDNN's graph update costs the host more than it saves the GPU
+# (docs/benchmarks.md, "The plain step against mlx-lm"), so a one-row buffer is one channel block
+# longer: off that grid, and still whole blocks.
+ONE_ROW_EXTRA = CHANNEL_BLOCK
+
+
+def grown_size(slots: int, rows: int = 0) -> int:
+    """The slots a growing buffer of `rows` rows allocates to hold `slots`: whole steps of
+    GROWTH_STEP, and ONE_ROW_EXTRA more for one row."""
+    return -(-slots // GROWTH_STEP) * GROWTH_STEP + (ONE_ROW_EXTRA if rows == 1 else 0)
 
 
 # Keys or values [batch, kv_heads, slots, head_dim]: one array, or with a KVQuantization the three
@@ -340,7 +349,7 @@ class KVCache:
         return self.fetched(self.offset)
 
     def _grow(self, keys: Buffer, values: Buffer, new: int) -> None:
-        size = grown_size(self.offset + new)
+        size = grown_size(self.offset + new, kv_arrays(keys)[0].shape[0])
         grown_k, grown_v = allocate(keys, size), allocate(values, size)
         if self.keys is not None and self.offset:
             self._copy(grown_k, grown_v, 0, 0, self.offset)

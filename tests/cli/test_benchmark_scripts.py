@@ -156,9 +156,12 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
     assert "| test | depth | ours in generate_step t/s |" in table and "\n| tg4 | 8 | " in table
 
 
-def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run(monkeypatch):
-    # --fill random: every layer of both engines' caches at the depth, and a timed run neither grows
-    # a buffer (a copy of the cache, off the step's true cost) nor leaves the depth behind.
+@pytest.mark.parametrize("rows, our_slots", [(2, 512), (1, 544)])
+def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run(monkeypatch, rows, our_slots):
+    # --fill random: every layer of both engines' caches at the depth, in buffers each engine's own
+    # cache would grow to (ours one channel block past the 256 grid for one row, mlx-lm's on it),
+    # and a timed run neither grows a buffer (a copy of the cache, off the step's true cost) nor
+    # leaves the depth behind.
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import versus_mlx_lm
 
@@ -167,13 +170,13 @@ def test_versus_mlx_lm_fills_both_caches_to_the_depth_with_room_for_the_run(monk
 
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     theirs = versus_mlx_lm.MlxLm(runtime.config, runtime.model.compute_dtype)
-    ours_cache = versus_mlx_lm.filled_ours(runtime, 2, 300, 8)
-    theirs_cache = theirs.filled(2, 300, 8, runtime.model.compute_dtype)
-    for cache in (ours_cache, theirs_cache):
-        assert len(cache) == 6 and {(layer.offset, layer.keys.shape) for layer in cache} == {(300, (2, 2, 512, 32))}
+    ours_cache = versus_mlx_lm.filled_ours(runtime, rows, 300, 8)
+    theirs_cache = theirs.filled(rows, 300, 8, runtime.model.compute_dtype)
+    for cache, slots in ((ours_cache, our_slots), (theirs_cache, 512)):
+        assert len(cache) == 6 and {(layer.offset, layer.keys.shape) for layer in cache} == {(300, (rows, 2, slots, 32))}
     buffers = [(layer.keys, layer.values) for layer in ours_cache + theirs_cache]
-    bench.time_generation(runtime, 2, 8, 0, 300, [], ours_cache)
-    theirs.time_generation(theirs_cache, 2, 8, 0, 300, [])
+    bench.time_generation(runtime, rows, 8, 0, 300, [], ours_cache)
+    theirs.time_generation(theirs_cache, rows, 8, 0, 300, [])
     for layer, (keys, values) in zip(ours_cache + theirs_cache, buffers):
         assert layer.offset == 300 and layer.keys is keys and layer.values is values
 

@@ -61,38 +61,43 @@ def test_incremental_decoding_matches_one_full_forward_pass():
 
 def test_the_decode_step_matches_the_full_pass_across_buffer_growth_and_trim():
     """Transformer.step must attend over exactly the cached positions: when the cache's buffers
-    grow (position 256), and after a trim leaves stale slots past the offset."""
+    grow (position 289: a one-sequence buffer holds 256 + 32 slots), and after a trim leaves stale
+    slots past the offset."""
     m = chat_tiny()
     rng = np.random.default_rng(0)
-    ids = [1] + rng.integers(3, m.config.vocab_size, size=259).tolist()
+    ids = [1] + rng.integers(3, m.config.vocab_size, size=289).tolist()
     full = m.logits(ids)
     cache = m.new_cache()
     mx.eval(prefill(m.model, ids[:254], cache))
+    assert cache[0].keys.shape[2] == 288
     steps = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in ids[254:]]
-    assert [c.offset for c in cache] == [260] * m.config.n_layers
-    assert cache[0].keys.shape[2] == 512
+    assert [c.offset for c in cache] == [290] * m.config.n_layers
+    assert cache[0].keys.shape[2] == 544
     np.testing.assert_allclose(np.stack(steps), full[254:], atol=logit_tolerance(), rtol=0)
     for layer in cache:
         layer.trim(3)
     other = [5, 6, 7]
     stepped = [np.array(m.model.step(mx.array([[token]]), cache)[0]) for token in other]
-    np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:257] + other)[257:], atol=logit_tolerance(), rtol=0)
+    np.testing.assert_allclose(np.stack(stepped), m.logits(ids[:287] + other)[287:], atol=logit_tolerance(), rtol=0)
 
 
 
-def test_the_cache_writes_in_place_while_it_has_room_and_grows_by_whole_steps():
+@pytest.mark.parametrize("rows, final_size", [(2, 512), (1, 544)])
+def test_the_cache_writes_in_place_while_it_has_room_and_grows_by_whole_steps(rows, final_size):
     """KVCache's step without copies (a buffer with room, written in place) and its growth (a copy
-    into a buffer of whole GROWTH_STEPs) hold the same keys and values: every one appended, in order."""
+    into a buffer of whole GROWTH_STEPs, one channel block more for one row, off the 256 grid that
+    sends MLX's CUDA attention to cuDNN) hold the same keys and values: every one appended, in order."""
     rng = np.random.default_rng(0)
-    appended = [mx.array(rng.standard_normal((2, 3, n, 4)).astype(np.float16)) for n in [5] + [1] * 300 + [7]]
+    appended = [mx.array(rng.standard_normal((rows, 3, n, 4)).astype(np.float16)) for n in [5] + [1] * 300 + [7]]
     cache = KVCache()
     for i, new in enumerate(appended):
         before = cache.keys
         keys, values = cache.update_and_fetch(new, -new)
         grew = before is None or cache.offset > before.shape[2]
-        assert (cache.keys is not before) == grew and cache.keys.shape[2] == grown_size(cache.offset)
-        assert keys.shape == values.shape == (2, 3, cache.offset, 4)
-    assert cache.offset == 312 and cache.keys.shape[2] == 512
+        assert (cache.keys is not before) == grew
+        assert cache.keys.shape[2] == (grown_size(cache.offset, rows) if grew else before.shape[2])
+        assert keys.shape == values.shape == (rows, 3, cache.offset, 4)
+    assert cache.offset == 312 and cache.keys.shape[2] == final_size
     expected = np.concatenate([np.array(a) for a in appended], axis=2)
     np.testing.assert_array_equal(np.array(keys), expected)
     np.testing.assert_array_equal(np.array(values), -expected)
