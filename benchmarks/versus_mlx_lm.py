@@ -46,6 +46,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxllama import bench, load
+from mlxllama.cache import whole_blocks
 from mlxllama.errors import MlxLlamaError
 from mlxllama.generate import PREFILL_CHUNK
 from mlxllama.step_cost import launches
@@ -131,8 +132,7 @@ class MlxLm:
         mlx-lm's KVCache grows them (steps of its `step`) with room for the run's n_gen + 1 positions,
         so that it does not grow (copy) them while timed."""
         cache = self.make_cache()
-        step = cache[0].step
-        slots = -(-(depth + n_gen + 1) // step) * step
+        slots = whole_blocks(depth + n_gen + 1, cache[0].step)
         for layer, (keys, values) in zip(cache, random_kv(self.config, batch, slots, dtype, len(cache))):
             layer.keys, layer.values, layer.offset = keys, values, depth
         return cache

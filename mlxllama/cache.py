@@ -34,7 +34,7 @@ ONE_ROW_EXTRA = CHANNEL_BLOCK
 def grown_size(slots: int, rows: int = 0) -> int:
     """The slots a growing buffer of `rows` rows allocates to hold `slots`: whole steps of
     GROWTH_STEP, and ONE_ROW_EXTRA more for one row."""
-    return -(-slots // GROWTH_STEP) * GROWTH_STEP + (ONE_ROW_EXTRA if rows == 1 else 0)
+    return whole_blocks(slots, GROWTH_STEP) + (ONE_ROW_EXTRA if rows == 1 else 0)
 
 
 # Keys or values [batch, kv_heads, slots, head_dim]: one array, or with a KVQuantization the three
