@@ -28,31 +28,43 @@ _IQ4_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38
 _IQ4_KVALUES_U8 = (_IQ4_KVALUES + 128).astype(np.uint8)
 
 
+# The fields that hold a float16 (every one at an even offset of a block of even size).
+HALF_FIELDS = frozenset({"d", "dmin", "m"})
+
+
 class Fields(dict):
-    """The blocks (n, type_size) uint8 of one type, cut into its named fields: fields["d"] is (n, 2)."""
+    """The blocks (n, type_size) uint8 of one type, cut into its named fields: fields["qs"] is (n,
+    its bytes), a float16 field such as fields["d"] (n, 1) uint16."""
 
     def __init__(self, blocks: mx.array, layout: tuple[tuple[str, int], ...]):
         super().__init__()
+        # The float16 fields come from the blocks as 16-bit words: a view of a whole contiguous
+        # array, where viewing each 2-byte slice as float16 would copy it (a kernel a field, and
+        # a token's embedding lookup decodes its blocks on every decode step).
+        words = mx.view(blocks, mx.uint16) if any(name in HALF_FIELDS for name, _ in layout) else None
         offset = 0
         for name, size in layout:
-            self[name] = blocks[:, offset : offset + size]
+            in_words = offset // 2
+            self[name] = words[:, in_words : in_words + 1] if name in HALF_FIELDS else blocks[:, offset : offset + size]
             offset += size
         self.n = blocks.shape[0]
 
 
 def _f16(field: mx.array) -> mx.array:
-    """A 2-byte little-endian float16 field of every block, as (n, 1) float32."""
+    """A float16 field of every block (Fields), as (n, 1) float32."""
     return mx.view(field, mx.float16).astype(mx.float32)
 
 
 def _nibbles(qs: mx.array) -> mx.array:
-    """Split bytes along the last axis into all low nibbles followed by all high nibbles."""
-    return mx.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    """Split bytes along the last axis into all low nibbles followed by all high nibbles (by
+    shifts on a new axis, where a concatenation would copy both halves)."""
+    return _bits(qs, 2, 4).reshape(*qs.shape[:-1], -1)
 
 
 def _bits(b: mx.array, count: int, width: int) -> mx.array:
     """Fields of `width` bits from each byte, least significant first, on a new axis -2."""
-    shifts = mx.arange(0, count * width, width, dtype=mx.uint8).reshape(count, 1)
+    # From numpy: a constant, where mx.arange would be a kernel in a compiled decoder's every call.
+    shifts = mx.array(np.arange(0, count * width, width, dtype=np.uint8).reshape(count, 1))
     return (mx.expand_dims(b, -2) >> shifts) & ((1 << width) - 1)
 
 
@@ -119,25 +131,38 @@ def _q3_k(f: Fields) -> mx.array:
     return (dl * q).reshape(-1, 256)
 
 
+# A K-type's 8 sub-blocks j = 4a + 2b + c on three axes of two (a, b, c). Sub-block j's scale and
+# min are built from byte j % 4 of the packed scales' 4-byte groups (a picks how: get_scale_min_k4);
+# its values are the low (c = 0) or high (c = 1) nibbles of qs's 32-byte chunk j // 2 = 2a + b. With
+# every field shaped to these axes before any arithmetic (a reshape that needs no copy), a compiled
+# decoder is one kernel: a reshape between two element-wise steps would split it in two, and a
+# concatenation copies.
+# (In numpy, as _IQ4_KVALUES: constants to a compiled decoder, and no MLX array made at import.)
+_K_AXES = (2, 2, 2, 1)
+_K_SUB_BLOCK = np.arange(8, dtype=np.uint8).reshape(_K_AXES)
+
+
 def _k_scales_mins(packed: mx.array) -> tuple[mx.array, mx.array]:
-    """The 8 six-bit scales and mins packed into 12 bytes (ggml's get_scale_min_k4)."""
+    """The 8 six-bit scales and mins packed into 12 bytes (ggml's get_scale_min_k4), float32 (n,
+    *_K_AXES)."""
     n = packed.shape[0]
-    s = packed.reshape(n, 3, 4)
+    s = packed.reshape(n, 3, 1, 2, 2, 1)
     a, m, c = s[:, 0], s[:, 1], s[:, 2]
-    scales = mx.concatenate([a & 0x3F, (c & 0xF) | ((a >> 6) << 4)], axis=-1)
-    mins = mx.concatenate([m & 0x3F, (c >> 4) | ((m >> 6) << 4)], axis=-1)
+    last_four = mx.array(_K_SUB_BLOCK >= 4)
+    scales = mx.where(last_four, (c & 0xF) | ((a >> 6) << 4), a & 0x3F)
+    mins = mx.where(last_four, (c >> 4) | ((m >> 6) << 4), m & 0x3F)
     return _f32(scales), _f32(mins)
 
 
-def _k_low_nibbles(qs: mx.array) -> mx.array:
-    """Q4_K/Q5_K: each 32-byte chunk of qs holds two 32-value sub-blocks (low, then high nibbles)."""
-    n = qs.shape[0]
-    return _nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
+def _k_low_nibbles(f: Fields) -> mx.array:
+    """Q4_K/Q5_K's 4 low bits of each value, (n, *_K_AXES[:-1], 32)."""
+    return _bits(f["qs"].reshape(f.n, 2, 2, 32), 2, 4)
 
 
 def _q5_k_q(f: Fields) -> mx.array:
     # Bit j of qh byte l is bit 4 of value l in sub-block j.
-    return _k_low_nibbles(f["qs"]) | (_bits(f["qh"], 8, 1) << 4)
+    high = (f["qh"].reshape(f.n, 1, 1, 1, 32) >> mx.array(_K_SUB_BLOCK)) & 1
+    return _k_low_nibbles(f) | (high << 4)
 
 
 def _k_decode(q: Callable[[Fields], mx.array]) -> Callable[[Fields], mx.array]:
@@ -146,27 +171,41 @@ def _k_decode(q: Callable[[Fields], mx.array]) -> Callable[[Fields], mx.array]:
     def decode(f: Fields) -> mx.array:
         n = f.n
         scales, mins = _k_scales_mins(f["scales"])
-        d = (_f16(f["d"]) * scales).reshape(n, 8, 1)
-        m = (_f16(f["dmin"]) * mins).reshape(n, 8, 1)
+        d = _f16(f["d"].reshape(n, 1, 1, 1, 1)) * scales
+        m = _f16(f["dmin"].reshape(n, 1, 1, 1, 1)) * mins
         return (d * _f32(q(f)) - m).reshape(n, 256)
 
     return decode
 
 
+# Q6_K's values on axes (half, nibble, chunk, sub-block, 16): value 128 half + 32 quarter + l of a
+# block, quarter = 2 nibble + chunk, l = 16 sub-block + its place. Its low 4 bits are the low
+# (nibble 0) or high nibbles of ql byte 64 half + 32 chunk + l, its top 2 bits those at 2 quarter in
+# qh byte 32 half + l, and its scale is scales[8 half + 2 quarter + sub-block]. Every field shaped so
+# before any arithmetic, a compiled decoder is one kernel (as _K_AXES).
+_Q6_K_NIBBLE_SHIFTS = np.array([0, 4], np.uint8).reshape(2, 1, 1, 1)
+_Q6_K_QUARTER_SHIFTS = np.array([[0, 2], [4, 6]], np.uint8).reshape(2, 2, 1, 1)
+
+
+def _q6_k_fields(f: Fields) -> tuple[mx.array, mx.array, mx.array]:
+    """d, the scales and q in [-32, 31], float32, on Q6_K's value axes (n, 2, 2, 2, 2, 16)."""
+    n = f.n
+    low = (f["ql"].reshape(n, 2, 1, 2, 2, 16) >> mx.array(_Q6_K_NIBBLE_SHIFTS)) & 0xF
+    high = (f["qh"].reshape(n, 2, 1, 1, 2, 16) >> mx.array(_Q6_K_QUARTER_SHIFTS)) & 3
+    scales = _f32(mx.view(f["scales"], mx.int8).reshape(n, 2, 2, 2, 2, 1))
+    return _f16(f["d"].reshape(n, 1, 1, 1, 1, 1)), scales, _f32(low | (high << 4)) - 32
+
+
 def _q6_k_parts(f: Fields) -> tuple[mx.array, mx.array, mx.array]:
     """d (n, 1), the 16 sub-block scales (n, 16) and q in [-32, 31] (n, 16, 16), all float32."""
     n = f.n
-    # Each 128-value half uses 64 ql bytes (low nibbles give values 0-63,
-    # high nibbles 64-127) and 32 qh bytes (four 2-bit planes, one per 32 values).
-    ql = _nibbles(f["ql"].reshape(n, 2, 64))
-    qh = _bits(f["qh"].reshape(n, 2, 32), 4, 2).reshape(n, 2, 128)
-    q = (_f32(ql | (qh << 4)) - 32).reshape(n, 16, 16)
-    return _f16(f["d"]), _f32(mx.view(f["scales"], mx.int8)), q
+    d, scales, q = _q6_k_fields(f)
+    return d.reshape(n, 1), scales.reshape(n, 16), q.reshape(n, 16, 16)
 
 
 def _q6_k(f: Fields) -> mx.array:
-    d, scales, q = _q6_k_parts(f)
-    return ((d * scales).reshape(-1, 16, 1) * q).reshape(-1, 256)
+    d, scales, q = _q6_k_fields(f)
+    return (d * scales * q).reshape(-1, 256)
 
 
 def _iq4_nl(f: Fields) -> mx.array:
@@ -218,8 +257,9 @@ def _affine_q8_0(f: Fields):
 
 def _k_affine(q: Callable[[Fields], mx.array]):
     def encode(f: Fields):
-        scales, mins = _k_scales_mins(f["scales"])
-        return q(f), _f16(f["d"]) * scales, -(_f16(f["dmin"]) * mins)
+        n = f.n
+        scales, mins = (x.reshape(n, 8) for x in _k_scales_mins(f["scales"]))
+        return q(f).reshape(n, 256), _f16(f["d"]) * scales, -(_f16(f["dmin"]) * mins)
 
     return encode
 
@@ -348,8 +388,8 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     QT.Q2_K: BlockFormat((("scales", 16), ("qs", 64), _D, ("dmin", 2)), _q2_k, 8, _requantized(_q2_k),
                          requantized=True),
     QT.Q3_K: BlockFormat((("hmask", 32), ("qs", 64), ("scales", 12), _D), _q3_k, 8, _affine_q3_k, symmetric=True),
-    QT.Q4_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qs", 128)), _k_decode(lambda f: _k_low_nibbles(f["qs"])),
-                         4, _k_affine(lambda f: _k_low_nibbles(f["qs"]))),
+    QT.Q4_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qs", 128)), _k_decode(_k_low_nibbles), 4,
+                         _k_affine(_k_low_nibbles)),
     QT.Q5_K: BlockFormat((_D, ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)), _k_decode(_q5_k_q), 5,
                          _k_affine(_q5_k_q)),
     QT.Q6_K: BlockFormat((("ql", 128), ("qh", 64), ("scales", 16), _D), _q6_k, 8, _affine_q6_k, requantized=True,
@@ -546,8 +586,9 @@ class _SubBlockForm(NamedTuple):
 
 
 def _q4_k_parts(f: Fields) -> tuple[mx.array, ...]:
-    scales, mins = _k_scales_mins(f["scales"])
-    return _f16(f["d"]), scales, _f32(_k_low_nibbles(f["qs"])), _f16(f["dmin"]), mins
+    n = f.n
+    scales, mins = (x.reshape(n, 8) for x in _k_scales_mins(f["scales"]))
+    return _f16(f["d"]), scales, _f32(_k_low_nibbles(f)).reshape(n, 8, 32), _f16(f["dmin"]), mins
 
 
 def _q2_k_parts(f: Fields) -> tuple[mx.array, ...]:

@@ -225,6 +225,24 @@ def test_graph_build_times_both_engines_building_a_step_on_the_cpu():
     assert re.search(r" 6\.0  llama\.py:\d+\(", built.split("mlx-lm, under cProfile")[1])
 
 
+def test_op_cost_splits_each_operation_into_build_and_hand_over_and_names_a_bad_model(tmp_path):
+    out = tmp_path / "ops.json"
+    printed = run_script("benchmarks/op_cost.py", "--model", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
+                         "--chain", "3", "--rounds", "1", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert (result["chain"], result["rounds"]) == (3, 1)
+    ops = result["us_per_op"]
+    assert {"residual add, compiled, two outputs (residual_add)", "token embedding lookup (the file's; lookups apart, not chained)",
+            "one layer of the plain step, 16 cached positions"} <= set(ops)
+    for name, us in ops.items():
+        # The host's two parts happen inside the wall time, which also waits for the result.
+        assert 0 < us["build"] and 0 < us["hand-over"] and us["build"] + us["hand-over"] <= us["wall"], name
+        assert f"| {name} | {us['wall']} | {us['build']} | {us['hand-over']} |" in printed
+    bad = subprocess.run([sys.executable, "benchmarks/op_cost.py", "--model", str(tmp_path / "missing.gguf")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "missing.gguf" in bad.stderr
+
+
 def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_path):
     shutil.copytree(REPO / "mlxllama", tmp_path / "mlxllama_before", ignore=shutil.ignore_patterns("*.gguf", "templates"))
     out = tmp_path / "ab.json"
