@@ -4,7 +4,7 @@ Silicon runs, on whatever device this runs on.
     pip install --no-deps mlx-lm==0.32.2
     MLXLLAMA_CUDA_KERNELS=0 python benchmarks/versus_mlx_lm.py MODEL.gguf [-n 128] [-p 512]
         [--batches 1,8,16] [--depths 0,4096,8192] [--rounds 5] [--fill random] [--ours-generate-step]
-        [--json OUT]
+        [--ours-fused-prefill] [--json OUT]
 
 Ours: `mlxllama bench`'s prefill and decode loops on the GGUF file as it loads (native mode). mlx-lm:
 its `models.llama.Model` of the same shape, random weights in MLX's 4-bit format of group 64 (what
@@ -29,6 +29,12 @@ Random weights make the speeds real and the text meaningless.
 `--ours-generate-step` times our model's one sequence through mlx-lm's `generate_step` too, as a third
 engine in the same rounds ("ours in generate_step"): the same step in the other loop, which tells the
 loop's share of the one-sequence ratio from the step's.
+
+`--ours-fused-prefill` times our prefill with MLX's fused attention too, as a third engine of the pp
+test ("ours, fused prefill"). On CUDA the runtime prefills with explicit attention
+(`Transformer.attend_prefill_explicitly`: MLX's fused kernel compiles anew there for every shape of
+new and cached tokens, which a server would pay request by request); every other backend, Apple
+Silicon's included, prefills with the fused kernel, whose one compile a benchmark's warm-up pays.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from mlxllama.step_cost import launches
 
 # The third engine of --ours-generate-step: our model through mlx-lm's loop.
 IN_GENERATE_STEP = "ours in generate_step"
+# The third engine of --ours-fused-prefill: our prefill with MLX's fused attention.
+FUSED_PREFILL = "ours, fused prefill"
 
 
 def import_mlx_lm():
@@ -172,6 +180,17 @@ def through_generate_step(generate_step, model, ids: mx.array, cache: list, n_ge
     return time.perf_counter() - start
 
 
+def time_fused_prefill(runtime, n_prompt: int, seed: int) -> float:
+    """bench.time_prompt with MLX's fused attention, as every backend but CUDA prefills; the model's
+    choice restored after."""
+    explicit = runtime.model.prefills_explicitly
+    runtime.model.attend_prefill_explicitly(False)
+    try:
+        return bench.time_prompt(runtime, n_prompt, seed)
+    finally:
+        runtime.model.attend_prefill_explicitly(explicit)
+
+
 def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed: int, depth: int) -> float:
     """As MlxLm.time_generation's one sequence (the same id for the same seed), with our model in mlx-lm's loop."""
     seconds = through_generate_step(generate_step, runtime.model, random_ids(runtime.config.vocab_size, 1, 1, seed)[0],
@@ -240,6 +259,8 @@ def main():
                              " time cannot be split from outside)")
     parser.add_argument("--ours-generate-step", action="store_true",
                         help="also time our one sequence through mlx-lm's generate_step, as a third engine")
+    parser.add_argument("--ours-fused-prefill", action="store_true",
+                        help="also time our prefill with MLX's fused attention (as a Mac prefills), as a third engine")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -261,6 +282,8 @@ def main():
         if kind == "pp":
             timers = {"ours": lambda seed: args.n_prompt / bench.time_prompt(runtime, args.n_prompt, seed),
                       "mlx-lm": lambda seed: args.n_prompt / theirs.time_prompt(args.n_prompt, seed)}
+            if args.ours_fused_prefill:
+                timers[FUSED_PREFILL] = lambda seed: args.n_prompt / time_fused_prefill(runtime, args.n_prompt, seed)
         else:  # each engine's cache is filled to the depth once, and cut back to it after every run
             if args.fill == "random":
                 ours_cache = filled_ours(runtime, batch, depth, args.n_gen)
@@ -299,9 +322,15 @@ def main():
             row["ours_generate_step"] = in_loop
             row["ours_generate_step_ratio"] = statistics.median(in_loop) / statistics.median(mlx_lm)
             row["ours_generate_step_spread"] = spread(in_loop, mlx_lm)
+        fused = samples.get(FUSED_PREFILL)
+        if fused:
+            row["ours_fused_prefill"] = fused
+            row["ours_fused_prefill_ratio"] = statistics.median(fused) / statistics.median(mlx_lm)
+            row["ours_fused_prefill_paired"] = paired(fused, mlx_lm)
         rows.append(row)
         print(f"{row['test']} b={batch} d={depth}: {statistics.median(ours):.1f} against {statistics.median(mlx_lm):.1f}"
-              " t/s" + (f"; ours in generate_step {statistics.median(in_loop):.1f}" if in_loop else ""),
+              " t/s" + (f"; ours in generate_step {statistics.median(in_loop):.1f}" if in_loop else "")
+              + (f"; ours with a fused prefill {statistics.median(fused):.1f}" if fused else ""),
               file=sys.stderr, flush=True)
         if args.json:  # after every test, so that a run cut short keeps what it measured
             with open(args.json, "w") as f:
@@ -330,6 +359,14 @@ def main():
             print(f"| {r['test']} | {r['depth']} | {statistics.median(r['ours_generate_step']):.1f} "
                   f"| {statistics.median(r['mlx_lm']):.1f} "
                   f"| {r['ours_generate_step_ratio']:.2f}× ({low:.2f}–{high:.2f}) | {r['ratio']:.2f}× |")
+    fused = [r for r in rows if "ours_fused_prefill" in r]
+    if fused:
+        print("\n| test | ours, fused prefill t/s | mlx-lm t/s | ratio | round by round (range) | ours as the runtime prefills, ratio |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in fused:
+            middle, low, high = r["ours_fused_prefill_paired"]
+            print(f"| {r['test']} | {statistics.median(r['ours_fused_prefill']):.1f} | {statistics.median(r['mlx_lm']):.1f} "
+                  f"| {r['ours_fused_prefill_ratio']:.2f}× | {middle:.2f}× ({low:.2f}–{high:.2f}) | {r['ratio']:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -340,12 +340,17 @@ class Transformer(nn.Module):
         """The ranks this model is split over (all of them sample rank 0's tokens), or None."""
         return self.shard.group if self.shard else None
 
-    def attend_prefill_explicitly(self) -> None:
+    def attend_prefill_explicitly(self, explicitly: bool = True) -> None:
         """Prefill attention by matrix products and a softmax instead of MLX's fused kernel, whose
         CUDA build compiles anew for every (new tokens, cached tokens) shape: 40-150 ms a shape on
-        an H100, paid by nearly every request a server sees (docs/benchmarks.md)."""
+        an H100, paid by nearly every request a server sees (docs/benchmarks.md). False: by the
+        fused kernel again, as on every other backend."""
         for block in self.blk:
-            block._explicit_prefill = True
+            block._explicit_prefill = explicitly
+
+    @property
+    def prefills_explicitly(self) -> bool:
+        return self.blk[0]._explicit_prefill
 
     def store_kv_quantized(self, quantization: KVQuantization | None) -> None:
         """Make every cache made from now on store keys and values so (None: at full precision)."""

@@ -125,7 +125,7 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
     out = tmp_path / "versus.json"
     table = run_script("benchmarks/versus_mlx_lm.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "-p", "16",
                        "-n", "4", "--batches", "1,2", "--depths", "0,8", "--rounds", "2", "--ours-generate-step",
-                       "--json", str(out))
+                       "--ours-fused-prefill", "--json", str(out))
     report = json.loads(out.read_text())
     rows = [(r["test"], r["batch"], r["depth"]) for r in report["rows"]]
     assert rows == [("pp16", 1, 0)] + [("tg4", b, d) for d in (0, 8) for b in (1, 2)]
@@ -134,8 +134,7 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
         assert r["ratio"] == pytest.approx(statistics.median(r["ours"]) / statistics.median(r["mlx_lm"]))
         assert r["spread"][0] <= r["ratio"] <= r["spread"][1]
         # Round by round: each round's ours over the same round's mlx-lm, never outside the spread.
-        rounds = [a / b for a, b in zip(r["ours"], r["mlx_lm"])]
-        assert r["paired"] == pytest.approx([statistics.median(rounds), min(rounds), max(rounds)])
+        assert r["paired"] == pytest.approx(versus_paired(r["ours"], r["mlx_lm"]))
         assert r["spread"][0] <= r["paired"][1] <= r["paired"][0] <= r["paired"][2] <= r["spread"][1]
         if r["test"] == "tg4":
             # mlx-lm's Llama launches a product per projection (7 a layer) and the head's.
@@ -150,10 +149,42 @@ def test_versus_mlx_lm_times_both_engines_on_every_test_and_counts_their_launche
                 statistics.median(r["ours_generate_step"]) / statistics.median(r["mlx_lm"]))
         else:
             assert "ours_generate_step" not in r
+        # --ours-fused-prefill: our prefill with MLX's fused attention, a third engine of the pp test.
+        if r["test"] == "pp16":
+            fused = r["ours_fused_prefill"]
+            assert len(fused) == 2 and r["ours_fused_prefill_ratio"] == pytest.approx(
+                statistics.median(fused) / statistics.median(r["mlx_lm"]))
+            assert r["ours_fused_prefill_paired"] == pytest.approx(versus_paired(fused, r["mlx_lm"]))
+        else:
+            assert "ours_fused_prefill" not in r
     # Our file holds Q4_K at 5 bits and Q6_K at 8.5, mlx-lm's random weights 4 bits and a half.
     assert report["ours_weight_bytes"] > report["mlx_lm_weight_bytes"] > 0
     assert "| tg4 | 2 | 8 |" in table
     assert "| test | depth | ours in generate_step t/s |" in table and "\n| tg4 | 8 | " in table
+    assert "| test | ours, fused prefill t/s |" in table
+
+
+def versus_paired(ours: list[float], theirs: list[float]) -> list[float]:
+    """The median of each round's own ratio, the lowest and the highest."""
+    rounds = [a / b for a, b in zip(ours, theirs)]
+    return [statistics.median(rounds), min(rounds), max(rounds)]
+
+
+def test_versus_mlx_lm_times_a_fused_prefill_and_gives_the_model_its_choice_back(monkeypatch):
+    # On CUDA the runtime prefills with explicit attention; the fused engine turns it off for its
+    # own runs only.
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import versus_mlx_lm
+
+    import mlxllama
+
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    runtime.model.attend_prefill_explicitly()
+    seen = []
+    monkeypatch.setattr(versus_mlx_lm.bench, "time_prompt",
+                        lambda rt, n_prompt, seed: seen.append((rt.model.prefills_explicitly, n_prompt)) or 0.25)
+    assert versus_mlx_lm.time_fused_prefill(runtime, 16, 0) == 0.25
+    assert seen == [(False, 16)] and runtime.model.prefills_explicitly
 
 
 @pytest.mark.parametrize("rows, our_slots", [(2, 512), (1, 544)])
@@ -256,8 +287,7 @@ def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_p
             ratio = statistics.median(r["tps"]["after"]) / statistics.median(r["tps"][other])
             assert r[f"after/{other}"] == pytest.approx(ratio)
             assert r[f"after/{other} spread"][0] <= ratio <= r[f"after/{other} spread"][1]
-            rounds = [a / b for a, b in zip(r["tps"]["after"], r["tps"][other])]
-            assert r[f"after/{other} paired"] == pytest.approx([statistics.median(rounds), min(rounds), max(rounds)])
+            assert r[f"after/{other} paired"] == pytest.approx(versus_paired(r["tps"]["after"], r["tps"][other]))
         assert all(min(us) > 0 for us in r["host_us"].values())
     assert printed.count("after/before") == 4
     missing = subprocess.run([sys.executable, "benchmarks/step_ab.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
