@@ -198,7 +198,7 @@ def test_stacked_projections_compute_their_parts_outputs(fixture_model, quant, m
 
 # A lookup's kernels for the token tables of published files (Q4_K_M's Q4_K, Q5_K_M's Q5_K, Q6_K,
 # Q8_0): the gather and one compiled decoder. A decode step launches them every step; before the
-# decoders were shaped for it, Q4_K's took 13 (19 kernels on CUDA, with the copies of its
+# decoders were shaped for it, Q4_K's took 13 (18 kernels on CUDA, with the copies of its
 # concatenations and float16 views).
 ONE_KERNEL_DECODERS = {"Q4_K", "Q5_K", "Q6_K", "Q8_0"}
 
