@@ -140,6 +140,7 @@ def _q3_k(f: Fields) -> mx.array:
 # (In numpy, as _IQ4_KVALUES: constants to a compiled decoder, and no MLX array made at import.)
 _K_AXES = (2, 2, 2, 1)
 _K_SUB_BLOCK = np.arange(8, dtype=np.uint8).reshape(_K_AXES)
+_K_LAST_FOUR = _K_SUB_BLOCK >= 4
 
 
 def _k_scales_mins(packed: mx.array) -> tuple[mx.array, mx.array]:
@@ -148,7 +149,7 @@ def _k_scales_mins(packed: mx.array) -> tuple[mx.array, mx.array]:
     n = packed.shape[0]
     s = packed.reshape(n, 3, 1, 2, 2, 1)
     a, m, c = s[:, 0], s[:, 1], s[:, 2]
-    last_four = mx.array(_K_SUB_BLOCK >= 4)
+    last_four = mx.array(_K_LAST_FOUR)
     scales = mx.where(last_four, (c & 0xF) | ((a >> 6) << 4), a & 0x3F)
     mins = mx.where(last_four, (c >> 4) | ((m >> 6) << 4), m & 0x3F)
     return _f32(scales), _f32(mins)
