@@ -65,7 +65,8 @@
 #                                                 # as $OUT/multi-PHASE.tgz (benchmarks/multi_gpu_table.py reads them)
 #   bash benchmarks/gpu.sh versus [ARGS]          # there: the plain step against mlx-lm's loop (benchmarks/versus_mlx_lm.py
 #                                                 # ARGS) on a 16k-context TinyLlama-shape file, then the CUDA launches
-#                                                 # of our plain step and of mlx-lm's (kernel_trace.py), and where
+#                                                 # of our plain step and of mlx-lm's (kernel_trace.py), and of pp512
+#                                                 # (ours as CUDA prefills, ours fused, mlx-lm's), and where
 #                                                 # each one's host time goes inside MLX at depth 0 and 4096
 #                                                 # (native_profile.py, py-spy's native stacks)
 #
@@ -468,6 +469,13 @@ versus() {  # the plain MLX step against mlx-lm's loop (#22), in one process; th
         log "kernel trace: $step"
         MLXLLAMA_CUDA_KERNELS=0 timeout 90 python3 benchmarks/kernel_trace.py "$deep" $([ $step = model-step ] || echo --$step) \
             --json "$out/kernel-trace-$step.json" | sed -n 6,10p
+    done
+    # pp512's kernels: ours as the runtime prefills on CUDA (explicit attention), ours with the fused
+    # kernel (as a Mac prefills), mlx-lm's
+    for step in runtime fused-prefill mlx-lm; do
+        log "kernel trace: prefill 512, $step"
+        MLXLLAMA_CUDA_KERNELS=0 timeout 90 python3 benchmarks/kernel_trace.py "$deep" --prefill 512 --steps 5 \
+            $([ $step = runtime ] || echo --$step) --json "$out/kernel-trace-pp512-$step.json" | sed -n 6,10p
     done
     # py-spy's binary, unpacked from its wheel with the rest (payload): where native_profile.py finds it
     PATH=$(dirname "$(ls "$work"/site/py_spy-*.data/scripts/py-spy)"):$PATH

@@ -1,12 +1,16 @@
-"""The device kernels of decode steps, as CUPTI records them (through PyTorch's profiler, which the GPU machine has).
+"""The device kernels of decode steps or of prefills, as CUPTI records them (through PyTorch's profiler, which the GPU machine has).
 
     python benchmarks/kernel_trace.py MODEL.gguf [--context 512] [--steps 20] [--mlx-lm] [--json OUT]
+    python benchmarks/kernel_trace.py MODEL.gguf --prefill 512 [--steps 5] [--mlx-lm | --fused-prefill] [--json OUT]
 
 Prints kernels per step, the device's busy time per step (the sum of kernel durations) against
 the wall time per step, the kernels that take the most time, and the host's CUDA runtime and
 driver calls (µs and calls a step, by name). Run it with
 MLXLLAMA_CUDA_KERNELS=0 to see the plain step, and with --mlx-lm to see mlx-lm's step on a model of
-the file's shape (benchmarks/versus_mlx_lm.py's).
+the file's shape (benchmarks/versus_mlx_lm.py's). With --prefill N a "step" is the prefill of N
+random ids into an empty cache, as versus_mlx_lm.py times pp<N> (its `feed`, in chunks); our prefill
+attends as the runtime chose for the backend (explicit products on CUDA), or with MLX's fused kernel
+under --fused-prefill, as every other backend does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 import mlx.core as mx
 
 import mlxllama
+from mlxllama import bench
+from versus_mlx_lm import MlxLm, random_ids
 
 
 def main():
@@ -32,20 +38,57 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mlx-lm", action="store_true")
+    parser.add_argument("--prefill", type=int, metavar="N", help="trace prefills of N ids, not decode steps")
+    parser.add_argument("--fused-prefill", action="store_true", help="our prefill with MLX's fused attention")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
     runtime = mlxllama.load(args.model)
     model = runtime.model
+    theirs = None
     if args.mlx_lm:
-        from versus_mlx_lm import MlxLm
-
         theirs = MlxLm(runtime.config, model.compute_dtype)
+    if args.prefill:
+        model.attend_prefill_explicitly(model.prefills_explicitly and not args.fused_prefill)
+        traced_steps = prefills(runtime, theirs, args.prefill)
+    else:
+        traced_steps = decode_steps(runtime, theirs, args.context)
+    traced_steps(args.steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        traced_steps(args.steps)
+        wall = (time.perf_counter() - start) / args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        traced = json.load(open(path))["traceEvents"]
+    summary(args, model, traced, wall)
+
+
+def prefills(runtime, theirs, n_prompt: int):
+    """A function that prefills `steps` times n_prompt random ids, each into an empty cache."""
+
+    def run(steps: int) -> None:
+        for seed in range(steps):
+            ids = random_ids(runtime.config.vocab_size, 1, n_prompt, seed)
+            if theirs is None:
+                bench.feed(runtime, runtime.new_cache(), ids.tolist())
+            else:
+                theirs.feed(theirs.make_cache(), ids)
+
+    return run
+
+
+def decode_steps(runtime, theirs, context: int):
+    """A function that decodes `steps` steps after `context` cached ids, one step ahead of the host,
+    and cuts the cache back to them."""
+    if theirs is not None:
         cache = theirs.make_cache()
         step = lambda tokens, kv: theirs.model(tokens, cache=kv)[:, -1]  # noqa: E731
     else:
-        cache = model.make_cache()
-        step = model.step
-    mx.eval(step(mx.array([[1] * args.context]), cache))
+        cache = runtime.model.make_cache()
+        step = runtime.model.step
+    mx.eval(step(mx.array([[1] * context]), cache))
     token = mx.array([[1]])
 
     def decode(steps: int) -> None:
@@ -60,16 +103,11 @@ def main():
         for layer in cache:
             layer.trim(steps)
 
-    decode(args.steps)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        decode(args.steps)
-        wall = (time.perf_counter() - start) / args.steps
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        traced = json.load(open(path))["traceEvents"]
+    return decode
+
+
+def summary(args, model, traced: list[dict], wall: float) -> None:
+    """Prints (and writes to --json) the trace's kernels and CUDA calls a step."""
     events = [e for e in traced if e.get("cat") == "kernel"]
     # The host's side of the launches: what each CUDA runtime and driver call costs the thread that makes it.
     api_us = collections.Counter()
@@ -87,7 +125,8 @@ def main():
         counts[e["name"][:90]] += 1 / args.steps
     result = {
         "model": args.model, "kernels": model.decode_step.uses_kernels, "context": args.context,
-        "step": "mlx-lm" if args.mlx_lm else "model.step",
+        "step": ("mlx-lm" if args.mlx_lm else "model.step") if not args.prefill else
+                f"prefill {args.prefill}: " + ("mlx-lm" if args.mlx_lm else "fused" if args.fused_prefill else "as the runtime"),
         "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
         "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
         "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(40)],

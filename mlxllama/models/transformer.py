@@ -343,8 +343,9 @@ class Transformer(nn.Module):
     def attend_prefill_explicitly(self, explicitly: bool = True) -> None:
         """Prefill attention by matrix products and a softmax instead of MLX's fused kernel, whose
         CUDA build compiles anew for every (new tokens, cached tokens) shape: 40-150 ms a shape on
-        an H100, paid by nearly every request a server sees (docs/benchmarks.md). False: by the
-        fused kernel again, as on every other backend."""
+        an H100 and 52-56 on an H200, paid by nearly every request a server sees, where the products
+        cost about 2 ms more a 512-token chunk once compiled (docs/benchmarks.md, "Prefill as the
+        Mac runs it"). False: by the fused kernel again, as on every other backend."""
         for block in self.blk:
             block._explicit_prefill = explicitly
 

@@ -10,6 +10,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import types
 
 import gguf
 import pytest
@@ -108,6 +109,65 @@ def test_host_time_splits_each_step_into_host_and_wait(tmp_path):
         step_us = 1e6 / rep["tokens_per_second"]
         assert 0 < rep["host_us_per_step"] and 0 <= rep["wait_us_per_step"]
         assert rep["host_us_per_step"] + rep["wait_us_per_step"] <= step_us
+
+
+class StandInProfile:
+    """torch.profiler.profile with two kernels and one launch a traced call (CUPTI runs only on a GPU)."""
+
+    def __init__(self, activities):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def export_chrome_trace(self, path: str) -> None:
+        events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 30}, {"cat": "kernel", "name": "softmax", "ts": 40, "dur": 10},
+                  {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 4}]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+
+@pytest.mark.parametrize("how, explicitly", [((), True), (("--fused-prefill",), False), (("--mlx-lm",), None)])
+def test_kernel_trace_traces_prefills_attended_as_the_runtime_chose_fused_or_by_mlx_lm(monkeypatch, tmp_path, how,
+                                                                                     explicitly):
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(synchronize=lambda: None)
+    profiler = types.ModuleType("torch.profiler")
+    profiler.ProfilerActivity, profiler.profile = types.SimpleNamespace(CUDA="cuda"), StandInProfile
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    with monkeypatch.context() as only_for_the_import:  # mlx-lm's imports must not find the stand-in
+        only_for_the_import.setitem(sys.modules, "torch", torch)
+        only_for_the_import.setitem(sys.modules, "torch.profiler", profiler)
+        only_for_the_import.delitem(sys.modules, "kernel_trace", raising=False)
+        import kernel_trace
+
+    import mlxllama
+
+    load = mlxllama.load
+
+    def load_as_on_cuda(path):  # where the runtime prefills with explicit attention
+        runtime = load(path)
+        runtime.model.attend_prefill_explicitly()
+        return runtime
+
+    fed = []
+    monkeypatch.setattr(kernel_trace.mlxllama, "load", load_as_on_cuda)
+    monkeypatch.setattr(kernel_trace.bench, "feed", lambda runtime, cache, ids: fed.append(
+        (runtime.model.prefills_explicitly, cache[0].offset, [len(row) for row in ids])))
+    monkeypatch.setattr(kernel_trace.MlxLm, "feed", lambda self, cache, ids: fed.append((None, cache[0].offset, [ids.shape[1]])))
+    out = tmp_path / "trace.json"
+    monkeypatch.setattr(sys, "argv", ["kernel_trace.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--prefill", "24",
+                                      "--steps", "2", *how, "--json", str(out)])
+    kernel_trace.main()
+    # A warm-up and the traced prefills, each of 24 ids into an empty cache, attended as asked.
+    assert fed == [(explicitly, 0, [24])] * 4
+    report = json.loads(out.read_text())
+    assert report["step"] == "prefill 24: " + {(): "as the runtime", ("--fused-prefill",): "fused", ("--mlx-lm",): "mlx-lm"}[how]
+    assert (report["kernels_per_step"], report["busy_us_per_step"], report["span_us_per_step"]) == (1.0, 20.0, 25.0)
+    assert report["top"][0] == ["gemm", 15.0, 0.5] and report["api"] == [["cudaLaunchKernel", 2.0, 0.5]]
 
 
 def test_moe_prefill_times_both_orders_of_the_same_products(tmp_path):
