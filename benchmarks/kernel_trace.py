@@ -19,16 +19,22 @@ import argparse
 import collections
 import json
 import os
+import sys
 import tempfile
 import time
 
-import torch  # imported first: its CUDA libraries and CUPTI
-from torch.profiler import ProfilerActivity, profile
+try:
+    import torch  # imported first: its CUDA libraries and CUPTI
+    from torch.profiler import ProfilerActivity, profile
+except ImportError:
+    print("kernel_trace.py: needs PyTorch, whose profiler reads CUPTI (the GPU machine's image has it)", file=sys.stderr)
+    sys.exit(2)
 
 import mlx.core as mx
 
 import mlxllama
 from mlxllama import bench
+from mlxllama.errors import MlxLlamaError
 from versus_mlx_lm import MlxLm, random_ids
 
 
@@ -42,7 +48,11 @@ def main():
     parser.add_argument("--fused-prefill", action="store_true", help="our prefill with MLX's fused attention")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args()
-    runtime = mlxllama.load(args.model)
+    try:
+        runtime = mlxllama.load(args.model)
+    except MlxLlamaError as e:
+        print(f"kernel_trace.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     model = runtime.model
     theirs = None
     if args.mlx_lm:

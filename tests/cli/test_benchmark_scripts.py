@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
 import statistics
@@ -168,6 +169,23 @@ def test_kernel_trace_traces_prefills_attended_as_the_runtime_chose_fused_or_by_
     assert report["step"] == "prefill 24: " + {(): "as the runtime", ("--fused-prefill",): "fused", ("--mlx-lm",): "mlx-lm"}[how]
     assert (report["kernels_per_step"], report["busy_us_per_step"], report["span_us_per_step"]) == (1.0, 20.0, 25.0)
     assert report["top"][0] == ["gemm", 15.0, 0.5] and report["api"] == [["cudaLaunchKernel", 2.0, 0.5]]
+
+
+def test_kernel_trace_names_a_bad_model_or_a_missing_torch_in_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(10))
+    stand_in = tmp_path / "stand_in"
+    (stand_in / "torch").mkdir(parents=True)
+    (stand_in / "torch" / "__init__.py").write_text("cuda = None\n")
+    (stand_in / "torch" / "profiler.py").write_text("ProfilerActivity = profile = None\n")
+    missing = tmp_path / "missing"
+    (missing / "torch").mkdir(parents=True)
+    (missing / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    for path, message in [(stand_in, "kernel_trace.py: error: "), (missing, "kernel_trace.py: needs PyTorch")]:
+        run = subprocess.run([sys.executable, "benchmarks/kernel_trace.py", str(bad), "--prefill", "8"], cwd=REPO,
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(path)})
+        assert run.returncode == 2 and run.stdout == ""
+        assert run.stderr.startswith(message) and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
 def test_moe_prefill_times_both_orders_of_the_same_products(tmp_path):
