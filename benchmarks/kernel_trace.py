@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlxllama
 from mlxllama import bench
 from mlxllama.errors import MlxLlamaError
-from versus_mlx_lm import MlxLm, random_ids
+from versus_mlx_lm import MlxLm
 
 
 def main():
@@ -76,15 +76,14 @@ def main():
 
 
 def prefills(runtime, theirs, n_prompt: int):
-    """A function that prefills `steps` times n_prompt random ids, each into an empty cache."""
+    """A function that prefills `steps` times n_prompt random ids, each into an empty cache, as
+    versus_mlx_lm.py's pp test times each engine."""
+    prefill = (lambda seed: bench.time_prompt(runtime, n_prompt, seed)) if theirs is None else (
+        lambda seed: theirs.time_prompt(n_prompt, seed))
 
     def run(steps: int) -> None:
         for seed in range(steps):
-            ids = random_ids(runtime.config.vocab_size, 1, n_prompt, seed)
-            if theirs is None:
-                bench.feed(runtime, runtime.new_cache(), ids.tolist())
-            else:
-                theirs.feed(theirs.make_cache(), ids)
+            prefill(seed)
 
     return run
 
