@@ -8,11 +8,12 @@ weights load by name and a tensor can be followed from the file to the layer tha
 from __future__ import annotations
 
 import weakref
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, causal_mask, kv_map, make_batch_cache,
                      make_cache, visible)
@@ -452,7 +453,7 @@ def pipeline(h: mx.array, stage: Shard, own_blocks) -> mx.array:
 
 
 # Past this many keys the fused kernel's one compile is cheap next to the prefill it serves, and an
-# explicit product's scores ([heads, new tokens, keys] float32) would take too much memory.
+# explicit product's scores ([heads, new tokens, keys]) would take too much memory.
 EXPLICIT_PREFILL_MAX_KEYS = 4096
 
 
@@ -462,23 +463,31 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     [batch, kv_heads, keys, head_dim], or against keys and values stored with `quantization` (by
     MLX's quantized products, as mlx-lm attends its quantized cache, where quantized_products_run);
     `mask` as the fused kernel takes it (None, "causal", or booleans broadcasting to [batch, heads,
-    length, keys]). Scores and softmax in float32, but for a quantized cache's scores, which are in
-    q's type."""
-    if not quantization:
-        return weights_times_values(attention_weights(q, k, scale, mask), v)
+    length, keys]).
+
+    Scores in q's type, the softmax computed in float32: as MLX attends where it has no fused
+    kernel, and as llama.cpp's CUDA build takes its KQ product. Scores in float32 cost CUDA's
+    prefill three casts a layer and twice the bytes in the mask and the softmax, where it is bound
+    by its launches (docs/benchmarks.md, "CUDA's explicit prefill in the compute type")."""
     batch, heads, length, head_dim = q.shape
-    kv_heads, keys = k[0].shape[1:3]
+    kv_heads, keys = (k[0] if quantization else k).shape[1:3]
     groups = heads // kv_heads
     # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
-    q = q.reshape(batch, kv_heads, groups, length, head_dim)
+    q = (q * scale).reshape(batch, kv_heads, groups, length, head_dim)
     k, v = kv_map(lambda a: a[:, :, None], k), kv_map(lambda a: a[:, :, None], v)
-    scores = mx.quantized_matmul(q * scale, *k, transpose=True, group_size=quantization.group_size,
-                                 bits=quantization.bits_of_keys).astype(mx.float32)
+    if quantization:
+        scores = mx.quantized_matmul(q, *k, transpose=True, group_size=quantization.group_size,
+                                     bits=quantization.bits_of_keys)
+    else:
+        scores = q @ k.swapaxes(-1, -2)
     mask = grouped_mask(mask, kv_heads, groups, length, keys)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1).astype(q.dtype)
-    out = mx.quantized_matmul(weights, *v, transpose=False, group_size=quantization.group_size, bits=quantization.bits)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    if quantization:
+        out = mx.quantized_matmul(weights, *v, transpose=False, group_size=quantization.group_size, bits=quantization.bits)
+    else:
+        out = weights @ v
     return out.reshape(batch, heads, length, head_dim)
 
 
@@ -498,12 +507,24 @@ def attention_weights(q: mx.array, k: mx.array, scale: float, mask) -> mx.array:
 def grouped_mask(mask, kv_heads: int, groups: int, length: int, keys: int):
     """The fused kernel's mask (None, "causal", or booleans broadcasting to [batch, heads, length,
     keys]) as booleans for scores grouped [batch, kv_heads, groups, length, keys], or None."""
-    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+    if isinstance(mask, str) and keys <= EXPLICIT_PREFILL_MAX_KEYS:  # "causal": the queries are the last `length` keys
+        return causal_table()[keys - length : keys, :keys]
+    if isinstance(mask, str):
         return visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
     if mask is not None and mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
         return mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
             mask.shape[0], kv_heads, groups, length, keys)
     return mask
+
+
+@cache
+def causal_table() -> mx.array:
+    """[EXPLICIT_PREFILL_MAX_KEYS, EXPLICIT_PREFILL_MAX_KEYS] booleans, position i seeing 0 .. i: made
+    once on the host (16 MiB), so that every layer's causal mask in an explicit prefill is a view of
+    it. Built from positions, each layer's took four operations: a TinyLlama-shape pp512 on an H200
+    launched 770 kernels then and 668 now, and CUDA's prefill is bound by its launches
+    (docs/benchmarks.md, "CUDA's explicit prefill in the compute type")."""
+    return mx.array(np.tri(EXPLICIT_PREFILL_MAX_KEYS, dtype=bool))
 
 
 def weights_times_values(weights: mx.array, v: mx.array) -> mx.array:

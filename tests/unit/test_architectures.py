@@ -124,6 +124,28 @@ def test_explicit_prefill_attention_gives_the_fused_kernels_logits(name):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
 
 
+def test_explicit_attention_is_five_operations_in_the_compute_type():
+    """CUDA's prefill attention, float16 queries over cached keys: the causal mask a view of one
+    table (no operation of its own), scores and weights in float16 with a float32 softmax, which is
+    how MLX attends without its fused kernel, so on the CPU the two agree to the bit."""
+    import mlx.core as mx
+
+    from mlxllama.models.transformer import explicit_attention, grouped_mask
+    from mlxllama.step_cost import launches
+
+    q = mx.random.normal((1, 8, 5, 64), key=mx.random.key(0)).astype(mx.float16)
+    k, v = (mx.random.normal((1, 2, 12, 64), key=mx.random.key(i)).astype(mx.float16) for i in (1, 2))
+    mx.eval(q, k, v)
+    out = explicit_attention(q, k, v, 0.125, "causal")
+    assert launches([out]) == {"Matmul": 2, "Multiply": 1, "Select": 1, "Softmax": 1}
+    assert out.dtype == mx.float16
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    with mx.stream(mx.cpu):
+        assert mx.array_equal(explicit_attention(q, k, v, 0.125, "causal"), fused).item()
+    # 5 new positions after 7 cached: position 7 + i sees keys 0 .. 7 + i
+    np.testing.assert_array_equal(np.array(grouped_mask("causal", 2, 4, 5, 12)), np.tri(12, dtype=bool)[7:])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
 def test_a_blocks_children_are_all_layers(family):
     """The CUDA kernels take a model whose blocks hold norms and projections only: a container
