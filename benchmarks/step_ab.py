@@ -102,6 +102,7 @@ def main():
                            "n_prompt": args.n_prompt, "n_gen": args.n_gen, "rounds": args.rounds, "rows": rows},
                           f, indent=1)
 
+
 def report(row: dict) -> str:
     """Each engine's median tokens/s and a decode's host µs (graph + launch), then the ratios with their spreads."""
     engines = []
