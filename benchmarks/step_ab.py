@@ -54,8 +54,10 @@ def main():
         before_bench = importlib.import_module("mlxllama_before.bench")
     except ImportError:
         sys.exit(f"step_ab.py: no mlxllama_before in {args.before}")
+    batches, depths = [int(b) for b in args.batches.split(",")], [int(d) for d in args.depths.split(",")]
     try:
         after, before = load(args.model), before_package.load(args.model)
+        bench.check_fits(after, args.n_prompt, args.n_gen, tuple(depths))
     except (MlxLlamaError, before_package.errors.MlxLlamaError) as e:
         print(f"step_ab.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -63,7 +65,7 @@ def main():
         sys.exit("step_ab.py: the plain step is measured: set MLXLLAMA_CUDA_KERNELS=0")
     theirs = MlxLm(after.config, after.model.compute_dtype)
     tests = [("pp", 1, 0)] if args.n_prompt else []
-    tests += [("tg", int(b), int(d)) for d in args.depths.split(",") for b in args.batches.split(",")]
+    tests += [("tg", b, d) for d in depths for b in batches]
     rows = []
     for kind, batch, depth in tests:
         host = {name: [] for name in ENGINES}

@@ -127,6 +127,9 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
 
 def check_fits(runtime: Runtime, n_prompt: int, n_gen: int, depths: tuple[int, ...]) -> None:
     """A one-line error unless pp<n_prompt> and tg<n_gen> at the deepest depth fit the model's context."""
+    if min(n_prompt, n_gen, *depths) < 0:
+        raise MlxLlamaError(f"prompt, generation and depth lengths must be 0 or more, not pp{n_prompt} / tg{n_gen}"
+                            f" at depths {','.join(map(str, depths))}")
     context = runtime.config.context_length
     if max(depths) + max(n_prompt, n_gen + 1) > context:
         raise MlxLlamaError(f"pp{n_prompt} / tg{n_gen} at depth {max(depths)} do not fit the model's context of"

@@ -294,9 +294,11 @@ def test_versus_mlx_lm_refuses_depths_past_the_context_in_one_line(tmp_path):
     # chat-tiny's context is 512: the default depths (to 8,192) do not fit it, nor does a truncated file load.
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(find_fixture_model("chat-tiny-Q4_K_M.gguf").read_bytes()[:300])
-    for model, message in ((find_fixture_model("chat-tiny-Q4_K_M.gguf"), "at depth 8192 do not fit the model's context of 512"),
-                           (truncated, "truncated or corrupt")):
-        result = subprocess.run([sys.executable, "benchmarks/versus_mlx_lm.py", str(model)], cwd=REPO,
+    chat_tiny = str(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    for args, message in (([chat_tiny], "at depth 8192 do not fit the model's context of 512"),
+                          ([chat_tiny, "-p", "-3", "--depths", "0"], "must be 0 or more, not pp-3 / tg128 at depths 0"),
+                          ([str(truncated)], "truncated or corrupt")):
+        result = subprocess.run([sys.executable, "benchmarks/versus_mlx_lm.py", *args], cwd=REPO,
                                 capture_output=True, text=True)
         assert result.returncode == 2 and result.stdout == ""
         errors = [line for line in result.stderr.splitlines() if "error" in line]
@@ -380,6 +382,11 @@ def test_step_ab_times_two_builds_of_the_package_and_mlx_lm_in_one_process(tmp_p
                              cwd=REPO, capture_output=True, text=True)
     errors = [line for line in refused.stderr.splitlines() if "error" in line]
     assert refused.returncode == 2 and len(errors) == 1 and "truncated or corrupt" in errors[0]
+    too_long = subprocess.run([sys.executable, "benchmarks/step_ab.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")),
+                               "--before", str(tmp_path), "-p", "600", "--depths", "0"], cwd=REPO, capture_output=True, text=True)
+    errors = [line for line in too_long.stderr.splitlines() if "error" in line]
+    assert too_long.returncode == 2 and errors == ["step_ab.py: error: pp600 / tg128 at depth 0 do not fit the model's"
+                                                   " context of 512 tokens"]
 
 
 def test_native_profile_counts_a_frame_anywhere_on_a_stack_and_only_samples_of_the_timed_loop(tmp_path):

@@ -141,6 +141,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     one_line_error(run("generate", "-p", "x", "--top-p", "0"), "--top-p must be a number in (0, 1], got 0.0")
     one_line_error(run("chat", "--repeat-last-n", "-5"), "--repeat-last-n must be an integer >= -1, got -5")
     one_line_error(run("bench", "-p", "1000", "-n", "4", "-r", "1"), "do not fit the model's context of 512")
+    one_line_error(run("bench", "-p", "-5", "-n", "4", "-r", "1"), "-p, -n and --depth at least 0")
     broken = tmp_path / "broken.jinja"
     broken.write_text("line one\n{% for m in messages %}\n{{ m.content }\n")
     one_line_error(run("generate", "-p", "x", "--template-file", str(broken)), "line 3")
