@@ -472,9 +472,11 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
     batch, heads, length, head_dim = q.shape
     kv_heads, keys = (k[0] if quantization else k).shape[1:3]
     groups = heads // kv_heads
-    # Each KV head serves `groups` query heads: [batch, kv_heads, groups, length, head_dim].
-    q = (q * scale).reshape(batch, kv_heads, groups, length, head_dim)
-    k, v = kv_map(lambda a: a[:, :, None], k), kv_map(lambda a: a[:, :, None], v)
+    # Each KV head serves `groups` query heads, whose rows go into one product with it: [batch,
+    # kv_heads, groups × length, head_dim]. Kept apart as a batch axis against keys broadcast along
+    # it, they made MLX's CUDA build batch each product by an array of pointers, which a kernel of
+    # its own writes first.
+    q = (q * scale).reshape(batch, kv_heads, groups * length, head_dim)
     if quantization:
         scores = mx.quantized_matmul(q, *k, transpose=True, group_size=quantization.group_size,
                                      bits=quantization.bits_of_keys)
@@ -482,8 +484,8 @@ def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,
         scores = q @ k.swapaxes(-1, -2)
     mask = grouped_mask(mask, kv_heads, groups, length, keys)
     if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+        scores = mx.where(mask, scores.reshape(batch, kv_heads, groups, length, keys), -mx.inf)
+    weights = mx.softmax(scores.reshape(batch, kv_heads, groups * length, keys), axis=-1, precise=True)
     if quantization:
         out = mx.quantized_matmul(weights, *v, transpose=False, group_size=quantization.group_size, bits=quantization.bits)
     else:
