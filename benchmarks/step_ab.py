@@ -31,9 +31,7 @@ import mlx.core as mx
 from mlxllama import bench, load
 from mlxllama.errors import MlxLlamaError
 from host_profile import decode, mlx_lm_engine, ours_engine
-from versus_mlx_lm import MlxLm, host_us, paired, spread
-
-ENGINES = ("after", "before", "mlx-lm")
+from versus_mlx_lm import MlxLm, host_us, interleaved_rounds, paired, spread
 
 
 def main():
@@ -68,7 +66,7 @@ def main():
     tests += [("tg", b, d) for d in depths for b in batches]
     rows = []
     for kind, batch, depth in tests:
-        host = {name: [] for name in ENGINES}
+        host = {name: [] for name in ("after", "before", "mlx-lm")}
         if kind == "pp":
             n = args.n_prompt
             timers = {"after": lambda seed: n / bench.time_prompt(after, n, seed),
@@ -80,14 +78,7 @@ def main():
             engines["mlx-lm"] = mlx_lm_engine(theirs, batch, depth, args.n_gen, after.model.compute_dtype)
             timers = {name: partial(decode, engine, batch, depth, args.n_gen, host=host[name])
                       for name, engine in engines.items()}
-        for timer in timers.values():  # warm-up: each shape's kernels compile off the clock
-            timer(10_000)
-        for times in host.values():
-            times.clear()
-        tps = {name: [] for name in ENGINES}
-        for round_ in range(args.rounds):
-            for name in ENGINES if round_ % 2 == 0 else reversed(ENGINES):
-                tps[name].append(timers[name](round_))
+        tps = interleaved_rounds(timers, args.rounds, host)
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
                "tps": tps}
         if kind == "tg":

@@ -232,6 +232,21 @@ def host_us(runs: list[tuple[float, float]]) -> list[float] | None:
     return [statistics.median(part) * 1e6 for part in zip(*measured)] if measured else None
 
 
+def interleaved_rounds(timers: dict, rounds: int, host: dict) -> dict[str, list[float]]:
+    """Each timer's samples (timer(seed) -> tokens/s) over `rounds` rounds, every timer in each, the
+    order reversed every other round. Each timer runs once first, off the clock, so that each
+    shape's kernels compile there, and the host times that run recorded in `host` are dropped."""
+    for timer in timers.values():
+        timer(10_000)
+    for times in host.values():
+        times.clear()
+    samples = {name: [] for name in timers}
+    for round_ in range(rounds):
+        for name in list(timers) if round_ % 2 == 0 else reversed(timers):
+            samples[name].append(timers[name](round_))
+    return samples
+
+
 def spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
     return min(ours) / max(theirs), max(ours) / min(theirs)
 
@@ -301,14 +316,7 @@ def main():
             if args.ours_generate_step and batch == 1:
                 timers[IN_GENERATE_STEP] = lambda seed: args.n_gen / ours_in_generate_step(
                     runtime, theirs.generate_step, ours_cache, args.n_gen, seed, depth)
-        for timer in timers.values():  # warm-up: each shape's kernels compile off the clock
-            timer(10_000)
-        for times in host.values():
-            times.clear()
-        samples = {engine: [] for engine in timers}
-        for round_ in range(args.rounds):
-            for engine in list(timers) if round_ % 2 == 0 else reversed(timers):
-                samples[engine].append(timers[engine](round_))
+        samples = interleaved_rounds(timers, args.rounds, host)
         ours, mlx_lm = samples["ours"], samples["mlx-lm"]
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
                "ours": ours, "mlx_lm": mlx_lm, "ratio": statistics.median(ours) / statistics.median(mlx_lm),
