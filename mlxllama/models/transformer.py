@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, causal_mask, kv_map, make_batch_cache,
-                     make_cache, visible)
+from ..cache import (BatchKVCache, Buffer, KVCache, KVQuantization, causal_mask, make_batch_cache, make_cache,
+                     visible)
 from .config import ModelConfig
 
 if TYPE_CHECKING:
@@ -509,9 +509,9 @@ def attention_weights(q: mx.array, k: mx.array, scale: float, mask) -> mx.array:
 def grouped_mask(mask, kv_heads: int, groups: int, length: int, keys: int):
     """The fused kernel's mask (None, "causal", or booleans broadcasting to [batch, heads, length,
     keys]) as booleans for scores grouped [batch, kv_heads, groups, length, keys], or None."""
-    if isinstance(mask, str) and keys <= EXPLICIT_PREFILL_MAX_KEYS:  # "causal": the queries are the last `length` keys
-        return causal_table()[keys - length : keys, :keys]
-    if isinstance(mask, str):
+    if isinstance(mask, str):  # "causal": the queries are the last `length` keys
+        if keys <= EXPLICIT_PREFILL_MAX_KEYS:
+            return causal_table()[keys - length : keys, :keys]
         return visible(keys - length + mx.arange(length)[:, None], mx.arange(keys)[None, :], 0)
     if mask is not None and mask.ndim == 4:  # [batch or 1, heads or 1, length, keys]
         return mask.reshape(mask.shape[0], -1, 1, length, keys) if mask.shape[1] == 1 else mask.reshape(
@@ -524,8 +524,8 @@ def causal_table() -> mx.array:
     """[EXPLICIT_PREFILL_MAX_KEYS, EXPLICIT_PREFILL_MAX_KEYS] booleans, position i seeing 0 .. i: made
     once on the host (16 MiB), so that every layer's causal mask in an explicit prefill is a view of
     it. Built from positions, each layer's took four operations: a TinyLlama-shape pp512 on an H200
-    launched 770 kernels then and 668 now, and CUDA's prefill is bound by its launches
-    (docs/benchmarks.md, "CUDA's explicit prefill in the compute type")."""
+    launched 770 kernels so and 668 with the table (scores then in float32), and CUDA's prefill is
+    bound by its launches (docs/benchmarks.md, "CUDA's explicit prefill in the compute type")."""
     return mx.array(np.tri(EXPLICIT_PREFILL_MAX_KEYS, dtype=bool))
 
 
