@@ -9,8 +9,9 @@ driver calls (µs and calls a step, by name). Run it with
 MLXLLAMA_CUDA_KERNELS=0 to see the plain step, and with --mlx-lm to see mlx-lm's step on a model of
 the file's shape (benchmarks/versus_mlx_lm.py's). With --prefill N a "step" is the prefill of N
 random ids into an empty cache, as versus_mlx_lm.py times pp<N> (its `feed`, in chunks); our prefill
-attends as the runtime chose for the backend (explicit products on CUDA), or with MLX's fused kernel
-under --fused-prefill, as every other backend does.
+attends by explicit products, as CUDA's runtime attends a shape the first time it meets it, or with
+MLX's fused kernel under --fused-prefill, as it attends a shape met again (and every other backend,
+always: Transformer.attend_prefill).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import mlx.core as mx
 import mlxllama
 from mlxllama import bench
 from mlxllama.errors import MlxLlamaError
+from mlxllama.models.transformer import EXPLICIT, FUSED
 from versus_mlx_lm import MlxLm
 
 
@@ -58,7 +60,7 @@ def main():
     if args.mlx_lm:
         theirs = MlxLm(runtime.config, model.compute_dtype)
     if args.prefill:
-        model.attend_prefill_explicitly(model.prefills_explicitly and not args.fused_prefill)
+        model.attend_prefill(FUSED if args.fused_prefill else EXPLICIT)
         traced_steps = prefills(runtime, theirs, args.prefill)
     else:
         traced_steps = decode_steps(runtime, theirs, args.context)
@@ -135,7 +137,7 @@ def summary(args, model, traced: list[dict], wall: float) -> None:
     result = {
         "model": args.model, "kernels": model.decode_step.uses_kernels, "context": args.context,
         "step": ("mlx-lm" if args.mlx_lm else "model.step") if not args.prefill else
-                f"prefill {args.prefill}: " + ("mlx-lm" if args.mlx_lm else "fused" if args.fused_prefill else "as the runtime"),
+                f"prefill {args.prefill}: " + ("mlx-lm" if args.mlx_lm else "fused" if args.fused_prefill else "explicit"),
         "kernels_per_step": len(events) / args.steps, "busy_us_per_step": round(busy, 1),
         "span_us_per_step": round(span, 1), "wall_us_per_step": round(wall * 1e6, 1),
         "top": [(name, round(us, 1), round(counts[name], 1)) for name, us in by_name.most_common(40)],

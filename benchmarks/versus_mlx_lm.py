@@ -9,7 +9,8 @@ Silicon runs, on whatever device this runs on.
 Ours: `mlxllama bench`'s prefill and decode loops on the GGUF file as it loads (native mode). mlx-lm:
 its `models.llama.Model` of the same shape, random weights in MLX's 4-bit format of group 64 (what
 mlx-lm's converter writes by default) in our compute type (float16 on a GPU), one sequence through its `generate_step` (greedy, as it
-decodes), several through the same pipelined loop around its model and cache. mlx-lm's model code is
+decodes), several through the same pipelined loop around its model and cache; its prefill in chunks
+of 2,048 ids, generate_step's default (ours in generate's: 2,048 on a GPU, 512 on the CPU). mlx-lm's model code is
 imported without its Hugging Face parts: stand-ins take the place of `transformers` and
 `huggingface_hub` where they are not installed, and nothing of them is called.
 
@@ -30,11 +31,12 @@ Random weights make the speeds real and the text meaningless.
 engine in the same rounds ("ours in generate_step"): the same step in the other loop, which tells the
 loop's share of the one-sequence ratio from the step's.
 
-`--ours-fused-prefill` times our prefill with MLX's fused attention too, as a third engine of the pp
-test ("ours, fused prefill"). On CUDA the runtime prefills with explicit attention
-(`Transformer.attend_prefill_explicitly`: MLX's fused kernel compiles anew there for every shape of
-new and cached tokens, which a server would pay request by request); every other backend, Apple
-Silicon's included, prefills with the fused kernel, whose one compile a benchmark's warm-up pays.
+`--ours-fused-prefill` times our prefill with MLX's fused attention always, as a third engine of the
+pp test ("ours, fused prefill"), which is how every backend but CUDA, Apple Silicon's included,
+prefills. On CUDA the runtime attends a prefill shape by explicit products the first time it meets
+it, and by the fused kernel when it meets it again (`Transformer.attend_prefill`: MLX's
+CUDA build plans the fused kernel anew for every shape of new and cached tokens, which one-off
+prompts and a server's requests would pay nearly every time); the warm-up meets each shape twice.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ from mlx.utils import tree_flatten
 from mlxllama import bench, load
 from mlxllama.cache import whole_blocks
 from mlxllama.errors import MlxLlamaError
-from mlxllama.generate import PREFILL_CHUNK
+from mlxllama.models.transformer import FUSED
 from mlxllama.step_cost import launches
 
+# Prompt ids mlx-lm's prefill feeds at once: generate_step's default prefill_step_size on every
+# device (ours: generate.prefill_chunk()).
+MLX_LM_PREFILL_STEP = 2048
 # The third engine of --ours-generate-step: our model through mlx-lm's loop.
 IN_GENERATE_STEP = "ours in generate_step"
 # The third engine of --ours-fused-prefill: our prefill with MLX's fused attention.
@@ -116,8 +121,8 @@ class MlxLm:
         self.config = config
 
     def feed(self, cache, ids: mx.array) -> mx.array:
-        for start in range(0, ids.shape[1], PREFILL_CHUNK):
-            logits = self.model(ids[:, start : start + PREFILL_CHUNK], cache=cache)
+        for start in range(0, ids.shape[1], MLX_LM_PREFILL_STEP):
+            logits = self.model(ids[:, start : start + MLX_LM_PREFILL_STEP], cache=cache)
             mx.eval(logits, [c.state for c in cache])
         return logits[:, -1]
 
@@ -183,12 +188,12 @@ def through_generate_step(generate_step, model, ids: mx.array, cache: list, n_ge
 def time_fused_prefill(runtime, n_prompt: int, seed: int) -> float:
     """bench.time_prompt with MLX's fused attention, as every backend but CUDA prefills; the model's
     choice restored after."""
-    explicit = runtime.model.prefills_explicitly
-    runtime.model.attend_prefill_explicitly(False)
+    how = runtime.model.prefill_attention
+    runtime.model.attend_prefill(FUSED)
     try:
         return bench.time_prompt(runtime, n_prompt, seed)
     finally:
-        runtime.model.attend_prefill_explicitly(explicit)
+        runtime.model.attend_prefill(how)
 
 
 def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed: int, depth: int) -> float:
@@ -234,10 +239,13 @@ def host_us(runs: list[tuple[float, float]]) -> list[float] | None:
 
 def interleaved_rounds(timers: dict, rounds: int, host: dict) -> dict[str, list[float]]:
     """Each timer's samples (timer(seed) -> tokens/s) over `rounds` rounds, every timer in each, the
-    order reversed every other round. Each timer runs once first, off the clock, so that each
-    shape's kernels compile there, and the host times that run recorded in `host` are dropped."""
+    order reversed every other round. Each timer runs twice first, off the clock, so that each
+    shape's kernels compile there (and on CUDA our prefill, which attends a shape by products when
+    it first meets it, plans MLX's fused attention for it when it meets it again:
+    Transformer.attend_prefill); the host times those runs recorded in `host` are dropped."""
     for timer in timers.values():
         timer(10_000)
+        timer(10_001)
     for times in host.values():
         times.clear()
     samples = {name: [] for name in timers}

@@ -28,7 +28,7 @@ import mlx.core as mx
 from .cache import check_kv_size
 from .constraints import Constraint, Guide
 from .errors import MlxLlamaError
-from .generate import PREFILL_CHUNK, GenerationResult, TextCollector, check_fits
+from .generate import GenerationResult, TextCollector, check_fits, prefill_chunk
 from .models import Transformer
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams, make_sampler
@@ -207,7 +207,7 @@ class BatchDecoder:
     step for every row, each at its own position. The engine of generate_batch and of the server.
 
     A request joins in two moves: admit() queues it, and prefill_chunk() feeds its prompt one
-    chunk at a time (chunks of PREFILL_CHUNK, as generate's prefill), so a caller that runs a
+    chunk at a time (`chunk` ids, by default as generate's prefill), so a caller that runs a
     decode step between chunks never stalls the running rows for more than one chunk.
 
     With `group`, several joining prompts whose rests fit in one chunk together are fed in one
@@ -228,13 +228,13 @@ class BatchDecoder:
     its model kept, so rows keep drafting, rejecting and plain decoding side by side.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int = PREFILL_CHUNK,
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, chunk: int | None = None,
                  prompt_cache: PromptCache | None = None, max_kv_size: int = 0, keep: int = 0, group: bool = False,
                  stepped_rests: bool = False, draft_room: int = 0):
         if batch_size < 1:
             raise MlxLlamaError("the batch size must be at least 1")
         check_kv_size(max_kv_size, keep, model.kv_quantization)
-        self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk
+        self.model, self.tokenizer, self.batch_size, self.chunk = model, tokenizer, batch_size, chunk or prefill_chunk()
         # A ring's rows take one token at a time (cache.RingKVCache): no groups with a max_kv_size.
         self.group = group and not max_kv_size
         self.stepped_rests = stepped_rests

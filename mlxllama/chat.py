@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 from .cache import GROWTH_STEP, check_kv_size, kv_bytes_per_position
 from .errors import MlxLlamaError, count
 from .files import write_text_atomic
-from .generate import PREFILL_CHUNK, TextStream
+from .generate import TextStream, prefill_chunk
 from .prompt import Template, render_messages, tokenize_rendered, with_system
 from .prompt_cache import PromptCache
 from .runtime import Runtime
@@ -45,7 +45,7 @@ class ChatSession:
         model = runtime.model
         per_position = kv_bytes_per_position(runtime.config, model.compute_dtype, model.kv_quantization)
         # A rotating cache may hold a prefill chunk beyond its bound while it fills.
-        held = max(runtime.config.context_length, max_kv_size + PREFILL_CHUNK) + GROWTH_STEP
+        held = max(runtime.config.context_length, max_kv_size + prefill_chunk()) + GROWTH_STEP
         self.prompt_cache = prompt_cache or PromptCache(2 * held * per_position)
         self.last_cached = 0  # prompt tokens the last turn found in the prompt cache
         self.last_fed = 0  # tokens fed on the last turn (prompt suffix + reply)

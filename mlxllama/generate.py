@@ -15,7 +15,19 @@ from .models import Transformer
 from .sampling import Sampler
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
+# Prompt ids fed to the model at once: on the CPU (and the server's chunk between decode steps), and
+# on a GPU, where each chunk dequantizes every weight for its products (quantized_layers.NativeLinear)
+# and pays a pass of launches, so that fewer, longer chunks prefill faster: a TinyLlama-shape pp2048
+# on an H200 ran 2.3x as fast in one chunk as in four (docs/benchmarks.md, "Prefill in chunks of
+# 2,048"), as mlx-lm's own chunk is. On the CPU, attention is matrix products whose scores grow with
+# the chunk, and 512 was the faster.
 PREFILL_CHUNK = 512
+GPU_PREFILL_CHUNK = 2048
+
+
+def prefill_chunk() -> int:
+    """Prompt ids a prefill feeds at once on the default device."""
+    return GPU_PREFILL_CHUNK if mx.default_device() == mx.gpu else PREFILL_CHUNK
 
 
 def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.array:
@@ -23,9 +35,10 @@ def prefill(model: Transformer, ids: Sequence[int], cache: list[KVCache]) -> mx.
 
     Only the last position's logits are wanted, so the output head runs on that row alone.
     """
-    for start in range(0, len(ids), PREFILL_CHUNK):
-        hidden = model.hidden_states(mx.array([ids[start : start + PREFILL_CHUNK]]), cache)
-        if start + PREFILL_CHUNK < len(ids):
+    chunk = prefill_chunk()
+    for start in range(0, len(ids), chunk):
+        hidden = model.hidden_states(mx.array([ids[start : start + chunk]]), cache)
+        if start + chunk < len(ids):
             mx.eval([c.state for c in cache])
     return model.head(hidden[:, -1:])[0, -1]
 

@@ -18,6 +18,7 @@ from .errors import MlxLlamaError
 from .generate import GenerationResult, TextStream
 from .gguf_file import open_gguf, read_metadata
 from .models import ModelConfig, Transformer, architecture_of
+from .models.transformer import EXPLICIT_FIRST
 from .prompt import build_prompt, choose_template, render_messages
 from .prompt_cache import PromptCache
 from .quantized_layers import NativeExperts, NativeLinear, SubBlockLinear
@@ -206,7 +207,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     Without `requantize` it expands Q2_K and Q6_K to `dtype` everywhere and holds the file's values
     (trace does, to compare against an exact reference). The decode step is chosen here, once: on
     MLX's CUDA backend a native model decodes through the kernels of mlxllama.cuda, and every model
-    prefills with explicit attention (Transformer.attend_prefill_explicitly).
+    prefills a shape with explicit attention the first time it meets it (Transformer.attend_prefill).
 
     With a `kv_quantization` (KVQuantization(bits=8), say) every cache made for the model stores its
     keys and values quantized: --kv-bits.
@@ -234,7 +235,7 @@ def load(path: str | os.PathLike, dtype: mx.Dtype | str | None = None, dequantiz
     if kernels:
         model.decode_step = cuda.kernel_step(model, fallback=model.decode_step) or model.decode_step
     if on_cuda():
-        model.attend_prefill_explicitly()
+        model.attend_prefill(EXPLICIT_FIRST)
     mx.eval(model.parameters())
     return Runtime(gguf.path, config, model, tokenizer, gguf.metadata, time.perf_counter() - start, dequantize)
 

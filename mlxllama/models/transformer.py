@@ -141,8 +141,10 @@ class Block(nn.Module):
         self._rope_attn_scale = rope_attn_scale(config)
         self._attention_scale = config.attention_scale or head_dim**-0.5
         self._gated = geglu if config.ffn_activation == "gelu" else swiglu
-        # Transformer.attend_prefill_explicitly sets this (runtime.load, on CUDA).
-        self._explicit_prefill = False
+        # How a prefill attends (Transformer.attend_prefill; runtime.load chooses), and the shapes
+        # it has met, for EXPLICIT_FIRST.
+        self._prefill_attention = FUSED
+        self._prefill_shapes = ShapesMet()
         # `trace --attention`: a list that each pass's attention weights are appended to, computed
         # by an explicit softmax (the fused kernel does not expose them); None: the fused kernel.
         self._attention_probe: list | None = None
@@ -206,11 +208,21 @@ class Block(nn.Module):
             out = weights_times_values(weights, v)
         elif isinstance(k, tuple):  # stored quantized, which the fused kernel does not read: quantized products do
             out = explicit_attention(q, k, v, self._attention_scale, mask, cache.quantization)
-        elif self._explicit_prefill and 1 < length and k.shape[2] <= EXPLICIT_PREFILL_MAX_KEYS:
+        elif 1 < length and self._prefill_attention != FUSED and self.attends_explicitly(q, k, mask):
             out = explicit_attention(q, k, v, self._attention_scale, mask)
         else:  # the fused kernel handles grouped-query attention (fewer KV heads) itself
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self._attention_scale, mask=mask)
         return self["attn_output"](from_heads(out, x))
+
+    def attends_explicitly(self, q: mx.array, k: mx.array, mask) -> bool:
+        """Whether a prefill attends by explicit products: within EXPLICIT_PREFILL_MAX_KEYS and
+        EXPLICIT_PREFILL_MAX_SCORES, always (EXPLICIT) or the first time its shape is met (EXPLICIT_FIRST)."""
+        batch, heads, length = q.shape[:3]
+        keys = k.shape[2]
+        if keys > EXPLICIT_PREFILL_MAX_KEYS or batch * heads * length * keys > EXPLICIT_PREFILL_MAX_SCORES:
+            return False
+        return self._prefill_attention == EXPLICIT or self._prefill_shapes.first_met(
+            (batch, length, keys, isinstance(mask, str)))
 
     def rope(self, x: mx.array, position) -> mx.array:
         """Heads [batch, heads, length, head_dim] turned for their positions (from `position` on)."""
@@ -341,18 +353,25 @@ class Transformer(nn.Module):
         """The ranks this model is split over (all of them sample rank 0's tokens), or None."""
         return self.shard.group if self.shard else None
 
-    def attend_prefill_explicitly(self, explicitly: bool = True) -> None:
-        """Prefill attention by matrix products and a softmax instead of MLX's fused kernel, whose
-        CUDA build compiles anew for every (new tokens, cached tokens) shape: 40-150 ms a shape on
-        an H100 and 52-56 on an H200, paid by nearly every request a server sees, where the products
-        cost about 2 ms more a 512-token chunk once compiled (docs/benchmarks.md, "Prefill as the
-        Mac runs it"). False: by the fused kernel again, as on every other backend."""
+    def attend_prefill(self, how: str) -> None:
+        """How a prefill (more than one new token) attends: FUSED, by MLX's fused kernel, as on
+        every backend but CUDA; EXPLICIT, by matrix products and a softmax; EXPLICIT_FIRST, CUDA's
+        (runtime.load), by products the first time a shape of (rows, new tokens, cached tokens) is
+        met and by the fused kernel when it is met again. MLX's CUDA build plans the fused kernel
+        anew for every such shape (40-150 ms a shape on an H100, 52-100 on an H200, and half a
+        second for the first in a process), which one-off prompts and nearly every request a server
+        sees would pay, while the products cost 2 ms more a 512-token chunk and 15 ms more a
+        2,048-token one once compiled (docs/benchmarks.md, "Prefill in chunks of 2,048"). A shape
+        that recurs (a benchmark's, a long prompt's full chunks, equal prompts of a batch) pays its
+        plan once and then prefills at the fused kernel's speed."""
+        if how not in (FUSED, EXPLICIT, EXPLICIT_FIRST):
+            raise ValueError(f"prefill attention {how!r}: {FUSED!r}, {EXPLICIT!r} or {EXPLICIT_FIRST!r}")
         for block in self.blk:
-            block._explicit_prefill = explicitly
+            block._prefill_attention = how
 
     @property
-    def prefills_explicitly(self) -> bool:
-        return self.blk[0]._explicit_prefill
+    def prefill_attention(self) -> str:
+        return self.blk[0]._prefill_attention
 
     def store_kv_quantized(self, quantization: KVQuantization | None) -> None:
         """Make every cache made from now on store keys and values so (None: at full precision)."""
@@ -452,9 +471,33 @@ def pipeline(h: mx.array, stage: Shard, own_blocks) -> mx.array:
     return h
 
 
-# Past this many keys the fused kernel's one compile is cheap next to the prefill it serves, and an
-# explicit product's scores ([heads, new tokens, keys]) would take too much memory.
+# How a prefill attends (Transformer.attend_prefill).
+FUSED, EXPLICIT, EXPLICIT_FIRST = "fused", "explicit", "explicit-first"
+# Past this many keys, or scores ([batch, heads, new tokens, keys], float16: 512 MiB, a TinyLlama-shape
+# chunk of 2,048 after 2,048 others), an explicit prefill would hold too much memory at once, and the
+# fused kernel's one plan is cheap next to the prefill it serves.
 EXPLICIT_PREFILL_MAX_KEYS = 4096
+EXPLICIT_PREFILL_MAX_SCORES = 1 << 28
+# The prefill shapes a layer remembers having met (the least recently met forgotten first): as many
+# as MLX's CUDA build keeps fused-kernel plans by default (MLX_CUDA_SDPA_CACHE_SIZE).
+SHAPES_REMEMBERED = 256
+
+
+class ShapesMet:
+    """The shapes a layer has prefilled, the latest SHAPES_REMEMBERED of them."""
+
+    def __init__(self):
+        self._met: dict[tuple, None] = {}
+
+    def first_met(self, shape: tuple) -> bool:
+        """Whether `shape` is new (it is remembered from now on)."""
+        if shape in self._met:
+            self._met[shape] = self._met.pop(shape)  # the latest met goes last
+            return False
+        self._met[shape] = None
+        while len(self._met) > SHAPES_REMEMBERED:
+            del self._met[next(iter(self._met))]
+        return True
 
 
 def explicit_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask,

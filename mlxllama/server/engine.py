@@ -290,8 +290,9 @@ def warm_up(decoder: BatchDecoder) -> None:
     backend loads or compiles on first use happens before the first request rather than during one.
     On an H100 each batch size class of the CUDA kernels took 4-8 s to compile; a prefill of more
     than 32 rows, the first on a machine, 82 s; and in a fresh process each new class of prefill
-    rows about 260 ms, which a lone client's TTFT p95 was (docs/benchmarks.md). Every rank of a split
-    model runs it alike."""
+    rows about 260 ms, which a lone client's TTFT p95 was (docs/benchmarks.md). Its prompts of two
+    tokens, one a row, meet that prefill shape again, which loads cuDNN's fused attention for CUDA's
+    prefill (1.2 s on an H200: Transformer.attend_prefill). Every rank of a split model runs it alike."""
     sizes = sorted({1 << i for i in range(decoder.batch_size.bit_length())} | {decoder.batch_size})
     prompt = [decoder.tokenizer.bos_id or 0] * 2
     for size in sizes:

@@ -131,9 +131,8 @@ class StandInProfile:
             json.dump({"traceEvents": events}, f)
 
 
-@pytest.mark.parametrize("how, explicitly", [((), True), (("--fused-prefill",), False), (("--mlx-lm",), None)])
-def test_kernel_trace_traces_prefills_attended_as_the_runtime_chose_fused_or_by_mlx_lm(monkeypatch, tmp_path, how,
-                                                                                     explicitly):
+@pytest.mark.parametrize("how, attended", [((), "explicit"), (("--fused-prefill",), "fused"), (("--mlx-lm",), None)])
+def test_kernel_trace_traces_prefills_attended_explicitly_fused_or_by_mlx_lm(monkeypatch, tmp_path, how, attended):
     torch = types.ModuleType("torch")
     torch.cuda = types.SimpleNamespace(synchronize=lambda: None)
     profiler = types.ModuleType("torch.profiler")
@@ -149,24 +148,24 @@ def test_kernel_trace_traces_prefills_attended_as_the_runtime_chose_fused_or_by_
 
     load = mlxllama.load
 
-    def load_as_on_cuda(path):  # where the runtime prefills with explicit attention
+    def load_as_on_cuda(path):  # where the runtime attends a prefill shape explicitly when it first meets it
         runtime = load(path)
-        runtime.model.attend_prefill_explicitly()
+        runtime.model.attend_prefill("explicit-first")
         return runtime
 
     fed = []
     monkeypatch.setattr(kernel_trace.mlxllama, "load", load_as_on_cuda)
     monkeypatch.setattr(kernel_trace.bench, "feed", lambda runtime, cache, ids: fed.append(
-        (runtime.model.prefills_explicitly, cache[0].offset, [len(row) for row in ids])))
+        (runtime.model.prefill_attention, cache[0].offset, [len(row) for row in ids])))
     monkeypatch.setattr(kernel_trace.MlxLm, "feed", lambda self, cache, ids: fed.append((None, cache[0].offset, [ids.shape[1]])))
     out = tmp_path / "trace.json"
     monkeypatch.setattr(sys, "argv", ["kernel_trace.py", str(find_fixture_model("chat-tiny-Q4_K_M.gguf")), "--prefill", "24",
                                       "--steps", "2", *how, "--json", str(out)])
     kernel_trace.main()
     # A warm-up and the traced prefills, each of 24 ids into an empty cache, attended as asked.
-    assert fed == [(explicitly, 0, [24])] * 4
+    assert fed == [(attended, 0, [24])] * 4
     report = json.loads(out.read_text())
-    assert report["step"] == "prefill 24: " + {(): "as the runtime", ("--fused-prefill",): "fused", ("--mlx-lm",): "mlx-lm"}[how]
+    assert report["step"] == "prefill 24: " + {(): "explicit", ("--fused-prefill",): "fused", ("--mlx-lm",): "mlx-lm"}[how]
     assert (report["kernels_per_step"], report["busy_us_per_step"], report["span_us_per_step"]) == (1.0, 20.0, 25.0)
     assert report["top"][0] == ["gemm", 15.0, 0.5] and report["api"] == [["cudaLaunchKernel", 2.0, 0.5]]
 
@@ -249,20 +248,20 @@ def versus_paired(ours: list[float], theirs: list[float]) -> list[float]:
 
 
 def test_versus_mlx_lm_times_a_fused_prefill_and_gives_the_model_its_choice_back(monkeypatch):
-    # On CUDA the runtime prefills with explicit attention; the fused engine turns it off for its
-    # own runs only.
+    # On CUDA the runtime attends a prefill shape explicitly when it first meets it; the fused engine
+    # attends every shape fused for its own runs only.
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import versus_mlx_lm
 
     import mlxllama
 
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
-    runtime.model.attend_prefill_explicitly()
+    runtime.model.attend_prefill("explicit-first")
     seen = []
     monkeypatch.setattr(versus_mlx_lm.bench, "time_prompt",
-                        lambda rt, n_prompt, seed: seen.append((rt.model.prefills_explicitly, n_prompt)) or 0.25)
+                        lambda rt, n_prompt, seed: seen.append((rt.model.prefill_attention, n_prompt)) or 0.25)
     assert versus_mlx_lm.time_fused_prefill(runtime, 16, 0) == 0.25
-    assert seen == [(False, 16)] and runtime.model.prefills_explicitly
+    assert seen == [("fused", 16)] and runtime.model.prefill_attention == "explicit-first"
 
 
 @pytest.mark.parametrize("rows, our_slots", [(2, 512), (1, 544)])

@@ -118,10 +118,50 @@ def test_explicit_prefill_attention_gives_the_fused_kernels_logits(name):
         return [np.array(x) for x in (first, later)]
 
     fused = runs()
-    model.attend_prefill_explicitly()
+    model.attend_prefill("explicit")
     explicit = runs()
     for a, b in zip(fused, explicit):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
+
+
+def test_cudas_prefill_attends_a_shape_explicitly_when_first_met_and_fused_when_met_again(monkeypatch):
+    """EXPLICIT_FIRST, what runtime.load chooses on CUDA: explicit products for a shape of (rows, new
+    tokens, cached tokens) the layers have not met (the latest SHAPES_REMEMBERED), the fused kernel
+    for one met before, and for one past EXPLICIT_PREFILL_MAX_SCORES; the same logits either way."""
+    import mlx.core as mx
+
+    from mlxllama.models import transformer
+
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), dtype=mx.float32)
+    model, ids = runtime.model, runtime.tokenize("The capital of Italy is Rome. The capital of Japan is Tokyo.")
+    model.attend_prefill(transformer.EXPLICIT_FIRST)
+    explicit, calls = transformer.explicit_attention, []
+    monkeypatch.setattr(transformer, "explicit_attention", lambda *args: (calls.append(1), explicit(*args))[1])
+
+    def explicit_layers(*pieces: int) -> tuple[int, np.ndarray]:
+        """How many layers attended explicitly, feeding ids in pieces of these lengths to a fresh cache."""
+        calls.clear()
+        cache, start = model.make_cache(), 0
+        for n in pieces:
+            logits = model(mx.array([ids[start : start + n]]), cache)
+            start += n
+        return len(calls), np.array(logits)
+
+    layers = len(model.blk)
+    first, logits = explicit_layers(9)
+    assert first == layers
+    again, logits_again = explicit_layers(9)
+    assert again == 0  # met before: fused
+    np.testing.assert_allclose(logits_again, logits, rtol=0, atol=2e-4)
+    assert explicit_layers(9, 5)[0] == layers  # (1, 9, 9) met, then (1, 5, 14) new
+    assert explicit_layers(7)[0] == layers
+    monkeypatch.setattr(transformer, "SHAPES_REMEMBERED", 2)
+    # 6 met again (so 8 is the least recently met), then 9 new: 8 is forgotten
+    assert [explicit_layers(n)[0] for n in (6, 8, 6, 9, 8)] == [layers, layers, 0, layers, layers]
+    monkeypatch.setattr(transformer, "EXPLICIT_PREFILL_MAX_SCORES", model.config.n_heads * 3 * 3)  # 3 new x 3 keys
+    assert explicit_layers(3)[0] == layers and explicit_layers(4)[0] == 0
+    with pytest.raises(ValueError, match="'explicit-first'"):
+        model.attend_prefill("sometimes")
 
 
 def test_explicit_attention_is_five_operations_in_the_compute_type():
@@ -139,8 +179,8 @@ def test_explicit_attention_is_five_operations_in_the_compute_type():
     out = explicit_attention(q, k, v, 0.125, "causal")
     assert launches([out]) == {"Matmul": 2, "Multiply": 1, "Select": 1, "Softmax": 1}
     assert out.dtype == mx.float16
-    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
-    with mx.stream(mx.cpu):
+    with mx.stream(mx.cpu):  # both on the CPU (on CUDA the fused kernel is cuDNN's, not the same sums)
+        fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
         assert mx.array_equal(explicit_attention(q, k, v, 0.125, "causal"), fused).item()
     # 5 new positions after 7 cached: position 7 + i sees keys 0 .. 7 + i
     np.testing.assert_array_equal(np.array(grouped_mask("causal", 2, 4, 5, 12)), np.tri(12, dtype=bool)[7:])

@@ -48,6 +48,21 @@ def test_position_and_cache_advance_by_exactly_the_tokens_fed():
     assert [c.offset for c in cache] == [24 + 5] * m.config.n_layers
 
 
+def test_prefill_feeds_chunks_of_2048_ids_on_a_gpu_and_512_on_the_cpu(monkeypatch):
+    from mlxllama import generate
+
+    m = chat_tiny()
+    fed = []
+    hidden_states = m.model.hidden_states
+    monkeypatch.setattr(m.model, "hidden_states", lambda ids, cache: (fed.append(ids.shape[1]), hidden_states(ids, cache))[1])
+    ids = [JAPAN_IDS[i % len(JAPAN_IDS)] for i in range(2100)]
+    for device, chunks in ((mx.cpu, [512] * 4 + [52]), (mx.gpu, [2048, 52])):
+        fed.clear()
+        monkeypatch.setattr(generate.mx, "default_device", lambda: device)  # where the model runs is not changed
+        mx.eval(prefill(m.model, ids, m.new_cache()))
+        assert fed == chunks
+
+
 def test_incremental_decoding_matches_one_full_forward_pass():
     """Chunked prefill then single steps must see the same positions as one pass over everything."""
     m = chat_tiny()
