@@ -216,13 +216,14 @@ class Block(nn.Module):
 
     def attends_explicitly(self, q: mx.array, k: mx.array, mask) -> bool:
         """Whether a prefill attends by explicit products: within EXPLICIT_PREFILL_MAX_KEYS and
-        EXPLICIT_PREFILL_MAX_SCORES, always (EXPLICIT) or the first time its shape is met (EXPLICIT_FIRST)."""
+        EXPLICIT_PREFILL_MAX_SCORES, always (EXPLICIT), or (EXPLICIT_FIRST) the first time its shape
+        is met and always where it has fewer than FUSED_WHEN_MET_AGAIN_MIN_LENGTH new tokens."""
         batch, heads, length = q.shape[:3]
         keys = k.shape[2]
         if keys > EXPLICIT_PREFILL_MAX_KEYS or batch * heads * length * keys > EXPLICIT_PREFILL_MAX_SCORES:
             return False
-        return self._prefill_attention == EXPLICIT or self._prefill_shapes.first_met(
-            (batch, length, keys, isinstance(mask, str)))
+        return (self._prefill_attention == EXPLICIT or length < FUSED_WHEN_MET_AGAIN_MIN_LENGTH
+                or self._prefill_shapes.first_met((batch, length, keys, isinstance(mask, str))))
 
     def rope(self, x: mx.array, position) -> mx.array:
         """Heads [batch, heads, length, head_dim] turned for their positions (from `position` on)."""
@@ -357,13 +358,14 @@ class Transformer(nn.Module):
         """How a prefill (more than one new token) attends: FUSED, by MLX's fused kernel, as on
         every backend but CUDA; EXPLICIT, by matrix products and a softmax; EXPLICIT_FIRST, CUDA's
         (runtime.load), by products the first time a shape of (rows, new tokens, cached tokens) is
-        met and by the fused kernel when it is met again. MLX's CUDA build plans the fused kernel
-        anew for every such shape (40-150 ms a shape on an H100, 52-100 on an H200, and half a
-        second for the first in a process), which one-off prompts and nearly every request a server
-        sees would pay, while the products cost 2 ms more a 512-token chunk and 15 ms more a
-        2,048-token one once compiled (docs/benchmarks.md, "Prefill in chunks of 2,048"). A shape
-        that recurs (a benchmark's, a long prompt's full chunks, equal prompts of a batch) pays its
-        plan once and then prefills at the fused kernel's speed."""
+        met and by the fused kernel when it is met again (with FUSED_WHEN_MET_AGAIN_MIN_LENGTH new
+        tokens or more). MLX's CUDA build plans the fused kernel anew for every such shape (40-150
+        ms a shape on an H100, 52-130 on an H200, and 0.6-1.2 s for the first in a process), which
+        one-off prompts and nearly every request a server sees would pay, while the products cost
+        2 ms more a 512-token chunk and 15 ms more a 2,048-token one once compiled
+        (docs/benchmarks.md, "Prefill in chunks of 2,048"). A shape that recurs (a benchmark's, a
+        long prompt's full chunks, equal prompts of a batch) pays its plan once and then prefills
+        at the fused kernel's speed."""
         if how not in (FUSED, EXPLICIT, EXPLICIT_FIRST):
             raise ValueError(f"prefill attention {how!r}: {FUSED!r}, {EXPLICIT!r} or {EXPLICIT_FIRST!r}")
         for block in self.blk:
@@ -478,6 +480,11 @@ FUSED, EXPLICIT, EXPLICIT_FIRST = "fused", "explicit", "explicit-first"
 # fused kernel's one plan is cheap next to the prefill it serves.
 EXPLICIT_PREFILL_MAX_KEYS = 4096
 EXPLICIT_PREFILL_MAX_SCORES = 1 << 28
+# EXPLICIT_FIRST attends fewer new tokens than this explicitly even in a shape met before: a chat
+# turn's or a check of drafts' scores are few, so the fused kernel saves them less than a
+# millisecond, and its plan would cost 70-130 ms each time a (new, cached) pair recurs, as the
+# checks' pairs do from one request to the next.
+FUSED_WHEN_MET_AGAIN_MIN_LENGTH = 512
 # The prefill shapes a layer remembers having met (the least recently met forgotten first): as many
 # as MLX's CUDA build keeps fused-kernel plans by default (MLX_CUDA_SDPA_CACHE_SIZE).
 SHAPES_REMEMBERED = 256

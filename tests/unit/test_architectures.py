@@ -126,8 +126,9 @@ def test_explicit_prefill_attention_gives_the_fused_kernels_logits(name):
 
 def test_cudas_prefill_attends_a_shape_explicitly_when_first_met_and_fused_when_met_again(monkeypatch):
     """EXPLICIT_FIRST, what runtime.load chooses on CUDA: explicit products for a shape of (rows, new
-    tokens, cached tokens) the layers have not met (the latest SHAPES_REMEMBERED), the fused kernel
-    for one met before, and for one past EXPLICIT_PREFILL_MAX_SCORES; the same logits either way."""
+    tokens, cached tokens) the layers have not met (the latest SHAPES_REMEMBERED) or of fewer than
+    FUSED_WHEN_MET_AGAIN_MIN_LENGTH new tokens, the fused kernel for one met before, and for one
+    past EXPLICIT_PREFILL_MAX_SCORES; the same logits either way."""
     import mlx.core as mx
 
     from mlxllama.models import transformer
@@ -148,18 +149,21 @@ def test_cudas_prefill_attends_a_shape_explicitly_when_first_met_and_fused_when_
         return len(calls), np.array(logits)
 
     layers = len(model.blk)
-    first, logits = explicit_layers(9)
+    assert [explicit_layers(9)[0], explicit_layers(9)[0]] == [layers, layers]  # fewer new tokens than 512
+    monkeypatch.setattr(transformer, "FUSED_WHEN_MET_AGAIN_MIN_LENGTH", 5)  # short prompts (a context of 512 ids)
+    first, logits = explicit_layers(10)
     assert first == layers
-    again, logits_again = explicit_layers(9)
+    again, logits_again = explicit_layers(10)
     assert again == 0  # met before: fused
     np.testing.assert_allclose(logits_again, logits, rtol=0, atol=2e-4)
-    assert explicit_layers(9, 5)[0] == layers  # (1, 9, 9) met, then (1, 5, 14) new
+    assert explicit_layers(10, 6)[0] == layers  # (1, 10, 10) met, then (1, 6, 16) new
+    assert explicit_layers(10, 4)[0] == layers  # (1, 4, 14): fewer new tokens than 5
     assert explicit_layers(7)[0] == layers
     monkeypatch.setattr(transformer, "SHAPES_REMEMBERED", 2)
     # 6 met again (so 8 is the least recently met), then 9 new: 8 is forgotten
     assert [explicit_layers(n)[0] for n in (6, 8, 6, 9, 8)] == [layers, layers, 0, layers, layers]
-    monkeypatch.setattr(transformer, "EXPLICIT_PREFILL_MAX_SCORES", model.config.n_heads * 3 * 3)  # 3 new x 3 keys
-    assert explicit_layers(3)[0] == layers and explicit_layers(4)[0] == 0
+    monkeypatch.setattr(transformer, "EXPLICIT_PREFILL_MAX_SCORES", model.config.n_heads * 5 * 5)  # 5 new x 5 keys
+    assert explicit_layers(5)[0] == layers and explicit_layers(6)[0] == 0
     with pytest.raises(ValueError, match="'explicit-first'"):
         model.attend_prefill("sometimes")
 
