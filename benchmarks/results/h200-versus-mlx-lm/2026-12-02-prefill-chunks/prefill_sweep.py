@@ -1,0 +1,71 @@
+"""Prefill on CUDA as the runtime now runs it, by prompt length, against mlx-lm's (chunks of 2,048),
+interleaved rounds in one process; then a shape's first meetings in a fresh process.
+
+    MLXLLAMA_CUDA_KERNELS=0 python prefill_sweep.py MODEL [--lengths 512,1024,2048,4096,8192] [--rounds 7]
+
+Engines: ours as the runtime prefills a shape met before (the fused kernel, once planned), ours as
+it prefills a shape it meets the first time (explicit products: forced for every run here), ours
+always fused (as a Mac prefills), mlx-lm. Then, before any of that in the same fresh process, the
+first and later prefills of a few lengths (ms): what a one-off prompt pays.
+"""
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+import versus_mlx_lm
+from mlxllama import bench, load
+from mlxllama.models.transformer import EXPLICIT, FUSED
+
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
+parser.add_argument("--rounds", type=int, default=7)
+args = parser.parse_args()
+
+runtime = load(args.model)
+print(f"device: {mx.default_device()}, prefill attention: {runtime.model.prefill_attention}")
+print("\nFresh process, the same length fed again and again (ms, each a fresh cache):")
+print("| prompt | first | second | third | fourth |")
+print("| ---: | ---: | ---: | ---: | ---: |")
+for n in (3000, 1000, 4096, 3000):
+    print(f"| {n} | " + " | ".join(f"{1000 * bench.time_prompt(runtime, n, seed):.1f}" for seed in range(4)) + " |",
+          flush=True)
+
+theirs = versus_mlx_lm.MlxLm(runtime.config, runtime.model.compute_dtype)
+
+
+def ours(how: str | None):
+    def timer(n: int, seed: int) -> float:
+        runtime_how = runtime.model.prefill_attention
+        if how:
+            runtime.model.attend_prefill(how)
+        try:
+            return n / bench.time_prompt(runtime, n, seed)
+        finally:
+            runtime.model.attend_prefill(runtime_how)
+    return timer
+
+
+engines = {
+    "ours as the runtime, a shape met again": ours(None),
+    "ours as the runtime, a shape met first (explicit)": ours(EXPLICIT),
+    "ours always fused (as a Mac)": ours(FUSED),
+    "mlx-lm, chunks of 2,048": lambda n, seed: n / theirs.time_prompt(n, seed),
+}
+lengths = [int(n) for n in args.lengths.split(",")]
+print(f"\n{args.rounds} rounds; tokens/s (median), ratio to mlx-lm round by round (range)")
+print("| engine | " + " | ".join(f"pp{n}" for n in lengths) + " |")
+print("| --- |" + " ---: |" * len(lengths))
+rows = {name: [] for name in engines}
+for n in lengths:
+    samples = versus_mlx_lm.interleaved_rounds({name: (lambda seed, t=t: t(n, seed)) for name, t in engines.items()},
+                                               args.rounds, {})
+    base = samples["mlx-lm, chunks of 2,048"]
+    for name, s in samples.items():
+        ratios = [a / b for a, b in zip(s, base)]
+        rows[name].append(f"{statistics.median(s):,.0f} ({statistics.median(ratios):.2f}×, "
+                          f"{min(ratios):.2f}–{max(ratios):.2f})")
+for name, cells in rows.items():
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
