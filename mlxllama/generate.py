@@ -15,12 +15,12 @@ from .models import Transformer
 from .sampling import Sampler
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
-# Prompt ids fed to the model at once: on the CPU (and the server's chunk between decode steps), and
-# on a GPU, where each chunk dequantizes every weight for its products (quantized_layers.NativeLinear)
+# Prompt ids fed to the model at once. On the CPU, where attention is matrix products whose scores
+# grow with the chunk, 512 is the faster (and it is the server's default chunk between two decode
+# steps). On a GPU each chunk dequantizes every weight for its products (quantized_layers.NativeLinear)
 # and pays a pass of launches, so that fewer, longer chunks prefill faster: a TinyLlama-shape pp2048
 # on an H200 ran 2.3x as fast in one chunk as in four (docs/benchmarks.md, "Prefill in chunks of
-# 2,048"), as mlx-lm's own chunk is. On the CPU, attention is matrix products whose scores grow with
-# the chunk, and 512 was the faster.
+# 2,048"); 2,048 is mlx-lm's chunk too.
 PREFILL_CHUNK = 512
 GPU_PREFILL_CHUNK = 2048
 
