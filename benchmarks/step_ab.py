@@ -78,7 +78,7 @@ def main():
             engines["mlx-lm"] = mlx_lm_engine(theirs, batch, depth, args.n_gen, after.model.compute_dtype)
             timers = {name: partial(decode, engine, batch, depth, args.n_gen, host=host[name])
                       for name, engine in engines.items()}
-        tps = interleaved_rounds(timers, args.rounds, host)
+        tps = interleaved_rounds(timers, args.rounds, host, bench.warm_up_runs(after))
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
                "tps": tps}
         if kind == "tg":

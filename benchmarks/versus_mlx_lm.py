@@ -36,7 +36,7 @@ pp test ("ours, fused prefill"), which is how every backend but CUDA, Apple Sili
 prefills. On CUDA the runtime attends a prefill shape by explicit products the first time it meets
 it, and by the fused kernel when it meets it again (`Transformer.attend_prefill`: MLX's
 CUDA build plans the fused kernel anew for every shape of new and cached tokens, which one-off
-prompts and a server's requests would pay nearly every time); the warm-up meets each shape twice.
+prompts and a server's requests would pay nearly every time); there the warm-up meets each shape twice.
 """
 
 from __future__ import annotations
@@ -237,15 +237,14 @@ def host_us(runs: list[tuple[float, float]]) -> list[float] | None:
     return [statistics.median(part) * 1e6 for part in zip(*measured)] if measured else None
 
 
-def interleaved_rounds(timers: dict, rounds: int, host: dict) -> dict[str, list[float]]:
+def interleaved_rounds(timers: dict, rounds: int, host: dict, warm_ups: int = 1) -> dict[str, list[float]]:
     """Each timer's samples (timer(seed) -> tokens/s) over `rounds` rounds, every timer in each, the
-    order reversed every other round. Each timer runs twice first, off the clock, so that each
-    shape's kernels compile there (and on CUDA our prefill, which attends a shape by products when
-    it first meets it, plans MLX's fused attention for it when it meets it again:
-    Transformer.attend_prefill); the host times those runs recorded in `host` are dropped."""
+    order reversed every other round. Each timer runs `warm_ups` times first, off the clock, so that
+    each shape's kernels compile there (and on CUDA our prefill plans MLX's fused attention for a
+    shape met again: bench.warm_up_runs); the host times those runs recorded in `host` are dropped."""
     for timer in timers.values():
-        timer(10_000)
-        timer(10_001)
+        for seed in range(10_000, 10_000 + warm_ups):
+            timer(seed)
     for times in host.values():
         times.clear()
     samples = {name: [] for name in timers}
@@ -324,7 +323,7 @@ def main():
             if args.ours_generate_step and batch == 1:
                 timers[IN_GENERATE_STEP] = lambda seed: args.n_gen / ours_in_generate_step(
                     runtime, theirs.generate_step, ours_cache, args.n_gen, seed, depth)
-        samples = interleaved_rounds(timers, args.rounds, host)
+        samples = interleaved_rounds(timers, args.rounds, host, bench.warm_up_runs(runtime))
         ours, mlx_lm = samples["ours"], samples["mlx-lm"]
         row = {"test": f"pp{args.n_prompt}" if kind == "pp" else f"tg{args.n_gen}", "batch": batch, "depth": depth,
                "ours": ours, "mlx_lm": mlx_lm, "ratio": statistics.median(ours) / statistics.median(mlx_lm),

@@ -128,6 +128,14 @@ def time_prompt(runtime: Runtime, n_prompt: int, seed: int, depth: int = 0) -> f
     return time.perf_counter() - start
 
 
+def warm_up_runs(runtime: Runtime) -> int:
+    """Untimed runs of a test before its timed ones: one, where the first use of a kernel compiles
+    it; two where the prefill is EXPLICIT_FIRST (CUDA's), which attends a shape by explicit products
+    the first time it meets it and by the fused kernel, planning it, the second
+    (Transformer.attend_prefill), so that no timed run pays a plan."""
+    return 2 if runtime.model.prefill_attention == EXPLICIT_FIRST else 1
+
+
 def check_fits(runtime: Runtime, n_prompt: int, n_gen: int, depths: tuple[int, ...]) -> None:
     """A one-line error unless pp<n_prompt> and tg<n_gen> at the deepest depth fit the model's context."""
     if min(n_prompt, n_gen, *depths) < 0:
@@ -284,10 +292,7 @@ def run(path: str, n_prompt: int = 512, n_gen: int = 128, batches: tuple[int, ..
         tests.append((f"tg{n_gen} loop", 1, 0, n_gen, 0,
                       lambda seed: rate(time_loop(runtime, n_gen, seed, prompt=prompt))))
         tests.append((f"tg{n_gen} speculative", 1, 0, n_gen, 0, speculative))
-    # CUDA's prefill attends a shape by explicit products the first time it meets it and by the
-    # fused kernel, planning it, the second (Transformer.attend_prefill): two warm-ups, so that no
-    # timed run pays a plan.
-    warm_ups = 2 if runtime.model.prefill_attention == EXPLICIT_FIRST else 1
+    warm_ups = warm_up_runs(runtime)
     for name, batch, pp, tg, depth, measure in tests:
         for _ in range(warm_ups):
             measure(repetitions)  # on ids no timed run uses

@@ -247,6 +247,24 @@ def versus_paired(ours: list[float], theirs: list[float]) -> list[float]:
     return [statistics.median(rounds), min(rounds), max(rounds)]
 
 
+def test_the_rounds_warm_up_twice_where_a_prefill_shape_is_planned_when_met_again(monkeypatch):
+    # bench.warm_up_runs: CUDA's EXPLICIT_FIRST prefill plans the fused kernel on a shape's second
+    # meeting, which neither bench's nor the scripts' timed runs may pay.
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import versus_mlx_lm
+
+    import mlxllama
+    from mlxllama import bench
+
+    runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
+    assert bench.warm_up_runs(runtime) == 1
+    runtime.model.attend_prefill("explicit-first")
+    assert bench.warm_up_runs(runtime) == 2
+    seeds, host = [], {"a": [(1.0, 2.0)]}
+    samples = versus_mlx_lm.interleaved_rounds({"a": lambda seed: seeds.append(seed) or 1.0}, 2, host, warm_ups=2)
+    assert seeds == [10_000, 10_001, 0, 1] and samples == {"a": [1.0, 1.0]} and host == {"a": []}
+
+
 def test_versus_mlx_lm_times_a_fused_prefill_and_gives_the_model_its_choice_back(monkeypatch):
     # On CUDA the runtime attends a prefill shape explicitly when it first meets it; the fused engine
     # attends every shape fused for its own runs only.

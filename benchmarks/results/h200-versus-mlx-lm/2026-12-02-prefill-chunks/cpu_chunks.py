@@ -1,5 +1,7 @@
 """CPU: our prefill (the fused kernel, as the CPU runs it) in chunks of 512 and 2,048, rounds alternating."""
-import statistics, sys
+import statistics
+import sys
+
 import versus_mlx_lm
 from mlxllama import bench, generate, load
 
@@ -13,7 +15,8 @@ def ours(chunk):
             generate.PREFILL_CHUNK = 512
     return timer
 for n in (1024, 2048):
-    s = versus_mlx_lm.interleaved_rounds({c: (lambda seed, t=ours(c): t(n, seed)) for c in (512, 2048)}, 3, {})
-    r = [a / b for a, b in zip(s[2048], s[512])]
+    s = versus_mlx_lm.interleaved_rounds({c: (lambda seed, t=ours(c): t(n, seed)) for c in (512, 2048)}, 3, {},
+                                       warm_ups=2)  # as the run had
+    middle, low, high = versus_mlx_lm.paired(s[2048], s[512])
     print(f"pp{n}: chunks of 512 {statistics.median(s[512]):.0f} t/s, of 2048 {statistics.median(s[2048]):.0f}; "
-          f"2048/512 {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})", flush=True)
+          f"2048/512 {middle:.2f}x ({low:.2f}-{high:.2f})", flush=True)

@@ -7,7 +7,6 @@ What a user's `generate` with a long prompt waits for (after the model is loaded
 first use of each kernel costs, cuDNN's plans included where an engine uses them.
 """
 import sys
-import time
 
 import versus_mlx_lm
 from mlxllama import bench, load

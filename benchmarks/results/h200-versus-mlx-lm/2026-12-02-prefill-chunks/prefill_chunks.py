@@ -7,12 +7,12 @@ each in chunks of 512 and of 2,048 (mlx-lm's generate_step default), interleaved
 Prints tokens/s medians and each engine's ratio round by round to mlx-lm in chunks of 2,048.
 """
 import argparse
-import statistics
 
 import mlx.core as mx
 
 import versus_mlx_lm
 from mlxllama import bench, load
+from rounds_table import print_table
 from mlxllama.models import transformer
 
 parser = argparse.ArgumentParser()
@@ -58,16 +58,4 @@ engines = {
 }
 print(f"device: {mx.default_device()}, {args.rounds} rounds, tokens/s (median) and ratio to mlx-lm in chunks of "
       "2,048, round by round (range)")
-print("| engine | " + " | ".join(f"pp{n}" for n in args.lengths.split(",")) + " |")
-print("| --- |" + " ---: |" * len(args.lengths.split(",")))
-rows = {name: [] for name in engines}
-for n in map(int, args.lengths.split(",")):
-    samples = versus_mlx_lm.interleaved_rounds({name: (lambda seed, t=t: t(n, seed)) for name, t in engines.items()},
-                                               args.rounds, {})
-    base = samples["mlx-lm, 2048"]
-    for name, s in samples.items():
-        ratios = [a / b for a, b in zip(s, base)]
-        rows[name].append(f"{statistics.median(s):,.0f} ({statistics.median(ratios):.2f}×, "
-                          f"{min(ratios):.2f}–{max(ratios):.2f})")
-for name, cells in rows.items():
-    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+print_table(engines, [int(n) for n in args.lengths.split(",")], args.rounds, "mlx-lm, 2048")

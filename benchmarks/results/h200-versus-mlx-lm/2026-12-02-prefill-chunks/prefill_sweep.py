@@ -9,13 +9,12 @@ always fused (as a Mac prefills), mlx-lm. Then, before any of that in the same f
 first and later prefills of a few lengths (ms): what a one-off prompt pays.
 """
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 
 import versus_mlx_lm
 from mlxllama import bench, load
+from rounds_table import print_table
 from mlxllama.models.transformer import EXPLICIT, FUSED
 
 parser = argparse.ArgumentParser()
@@ -56,16 +55,5 @@ engines = {
 }
 lengths = [int(n) for n in args.lengths.split(",")]
 print(f"\n{args.rounds} rounds; tokens/s (median), ratio to mlx-lm round by round (range)")
-print("| engine | " + " | ".join(f"pp{n}" for n in lengths) + " |")
-print("| --- |" + " ---: |" * len(lengths))
-rows = {name: [] for name in engines}
-for n in lengths:
-    samples = versus_mlx_lm.interleaved_rounds({name: (lambda seed, t=t: t(n, seed)) for name, t in engines.items()},
-                                               args.rounds, {})
-    base = samples["mlx-lm, chunks of 2,048"]
-    for name, s in samples.items():
-        ratios = [a / b for a, b in zip(s, base)]
-        rows[name].append(f"{statistics.median(s):,.0f} ({statistics.median(ratios):.2f}×, "
-                          f"{min(ratios):.2f}–{max(ratios):.2f})")
-for name, cells in rows.items():
-    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+# Two warm-ups, as the run of 2026-12-02 had (the runtime's engine plans a shape met again).
+print_table(engines, lengths, args.rounds, "mlx-lm, chunks of 2,048", warm_ups=2)
