@@ -39,6 +39,9 @@ def use(query_heads: int, runs_limit: int, staged_keys: int, source: str) -> Non
     header = re.sub(r"constexpr int MAX_QUERY_HEADS = \d+;", f"constexpr int MAX_QUERY_HEADS = {query_heads};",
                     header)
     kernels.HEADER, kernels.BATCH_HEADER = header, header + BATCH_PART
+    # A source from before one sequence's tensor-core runs stages keys for every head size.
+    tensor = re.search(r"constexpr int TENSOR_RUNS_MAX_HEAD_DIM = (\d+);", header)
+    kernels.TENSOR_RUNS_MAX_HEAD_DIM = int(tensor.group(1)) if tensor else 0
     kernels.MAX_QUERY_HEADS, kernels.RUNS_LIMIT = query_heads, runs_limit
     KernelStep.stage_keys = bool(staged_keys)
     kernels.kernel.cache_clear()

@@ -1053,6 +1053,169 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
   }
 }
 
+// One sequence's run over a plain cache on tensor cores (mma.sync m16n8k16: float16 operands,
+// float32 sums), computing what attention_run computes: the warp's query heads are rows of A (rows
+// QH to 15 zero, their results unused) and 8 slots the columns of a product, so 32 slots are 16
+// products for their scores and 16 for their values, where attention_run has a lane score its slot
+// by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order is
+// free as long as both operands follow it: within each 32 dims, lane t of a quad holds dims 8t ..
+// 8t + 7 of a query and of a key (its first k step takes dims 8t .. 8t + 3, the second 8t + 4 ..
+// 8t + 7), so a key row is read 16 contiguous bytes a lane. Values are read the same way, as rows of 8x8 matrices (slots by dims),
+// and made B operands by movmatrix's transpose; the output's columns follow, lane t of a quad ending
+// with dims 8t .. 8t + 7 of each 32 of its head. Scores and the online softmax stay in the
+// products' accumulators; a head's largest score and sum take two shuffles across its quad.
+// A step takes 4 groups of 8 slots, each lane a key and a value row of each. The next step's keys are
+// loaded once this step's are scored, its values once this step's are added: one sequence at depth
+// 8,192 decoded 1.13x as fast as with each step's rows loaded at its start, though ptxas spills
+// 120 bytes a thread for it (docs/benchmarks.md, "One sequence's attention on tensor cores"). Heads
+// of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows would spill far more, and
+// attention_run takes them. layer_kernel only: in batch_layer_kernel, whose runs are longer and
+// whose registers are fewer, it decoded slower than attention_run.
+__device__ inline uint32_t half_pair(float lo, float hi) {
+  const __half2 pair = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+__device__ inline uint32_t transposed(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// c0, c1 += row lane / 4 of A * B, for an A whose rows 8-15 are zero (a0, a2 given).
+__device__ inline void mma_rows_0_7(float& c0, float& c1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  [[maybe_unused]] float unused0, unused1;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %5}, {%7, %8}, "
+      "{%0, %1, %9, %9};"
+      : "+f"(c0), "+f"(c1), "=f"(unused0), "=f"(unused1)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+constexpr int TENSOR_RUNS_MAX_HEAD_DIM = 64;
+
+__host__ __device__ constexpr bool tensor_runs_take(int head_dim) {
+  return head_dim % 32 == 0 && head_dim <= TENSOR_RUNS_MAX_HEAD_DIM;
+}
+
+// A lane's row (lane / 4) of each of the 4 groups of 8 slots of a tensor_attention_run step from
+// `first`, its 16 bytes of each 32 dims; past the last slot the last one's, which a weight of 0
+// leaves out. Read from L2: other blocks wrote the newest slot in this launch.
+template <int HEAD_DIM, typename C>
+__device__ inline void step_rows(const C* cache, int first, int end, uint4 (&rows)[4][HEAD_DIM / 32]) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const size_t slot = min(first + 8 * j + g, end - 1);
+#pragma unroll
+    for (int e = 0; e < HEAD_DIM / 32; ++e) {
+      rows[j][e] = __ldcg(reinterpret_cast<const uint4*>(cache + slot * HEAD_DIM + 32 * e + 8 * t));
+    }
+  }
+}
+
+template <int HEAD_DIM, int QH, typename C>
+__device__ void tensor_attention_run(const float* q, const C* keys, const C* values, int begin, int end, float* out,
+                                     int out_stride, bool whole) {
+  static_assert(sizeof(C) == 2 && tensor_runs_take(HEAD_DIM) && QH <= 8, "float16 slots, 8 rows of A");
+  constexpr int PARTS = HEAD_DIM / 32, SLOT_GROUPS = 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  uint32_t query[PARTS][4];
+#pragma unroll
+  for (int e = 0; e < PARTS; ++e) {
+    const float* dims = q + g * HEAD_DIM + 32 * e + 8 * t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      query[e][i] = g < QH ? half_pair(dims[2 * i], dims[2 * i + 1]) : 0u;
+    }
+  }
+  float running_max = negative_infinity(), sum_exp = 0.0f, acc[PARTS][4][2];
+#pragma unroll
+  for (int e = 0; e < PARTS; ++e) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      acc[e][m][0] = acc[e][m][1] = 0.0f;
+    }
+  }
+  uint4 key[SLOT_GROUPS][PARTS], value[SLOT_GROUPS][PARTS];
+  step_rows<HEAD_DIM>(keys, begin, end, key);
+  step_rows<HEAD_DIM>(values, begin, end, value);
+  for (int first = begin; first < end; first += 8 * SLOT_GROUPS) {
+    const int next = first + 8 * SLOT_GROUPS;
+    float score[SLOT_GROUPS][2], top = negative_infinity();
+#pragma unroll
+    for (int j = 0; j < SLOT_GROUPS; ++j) {
+      score[j][0] = score[j][1] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < PARTS; ++e) {
+        mma_rows_0_7(score[j][0], score[j][1], query[e][0], query[e][1], key[j][e].x, key[j][e].y);
+        mma_rows_0_7(score[j][0], score[j][1], query[e][2], query[e][3], key[j][e].z, key[j][e].w);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (first + 8 * j + 2 * t + i >= end) {
+          score[j][i] = negative_infinity();
+        }
+        top = fmaxf(top, score[j][i]);
+      }
+    }
+    if (next < end) {
+      step_rows<HEAD_DIM>(keys, next, end, key);
+    }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
+    const float new_max = fmaxf(running_max, top), correction = expf(running_max - new_max);
+    running_max = new_max;
+    sum_exp *= correction;
+    uint32_t weights[SLOT_GROUPS];
+#pragma unroll
+    for (int j = 0; j < SLOT_GROUPS; ++j) {
+      const float p0 = expf(score[j][0] - new_max), p1 = expf(score[j][1] - new_max);
+      sum_exp += p0 + p1;
+      weights[j] = half_pair(p0, p1);
+    }
+    // k step s: slots 16s .. 16s + 15 of the step, weighted from the score columns of groups 2s
+    // and 2s + 1, with the values of the same groups' rows.
+#pragma unroll
+    for (int e = 0; e < PARTS; ++e) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        acc[e][m][0] *= correction;
+        acc[e][m][1] *= correction;
+      }
+#pragma unroll
+      for (int s = 0; s < SLOT_GROUPS / 2; ++s) {
+        const uint4 low = value[2 * s][e], high = value[2 * s + 1][e];
+        mma_rows_0_7(acc[e][0][0], acc[e][0][1], weights[2 * s], weights[2 * s + 1], transposed(low.x), transposed(high.x));
+        mma_rows_0_7(acc[e][1][0], acc[e][1][1], weights[2 * s], weights[2 * s + 1], transposed(low.y), transposed(high.y));
+        mma_rows_0_7(acc[e][2][0], acc[e][2][1], weights[2 * s], weights[2 * s + 1], transposed(low.z), transposed(high.z));
+        mma_rows_0_7(acc[e][3][0], acc[e][3][1], weights[2 * s], weights[2 * s + 1], transposed(low.w), transposed(high.w));
+      }
+    }
+    if (next < end) {
+      step_rows<HEAD_DIM>(values, next, end, value);
+    }
+  }
+  sum_exp += __shfl_xor_sync(0xffffffff, sum_exp, 1);
+  sum_exp += __shfl_xor_sync(0xffffffff, sum_exp, 2);
+  if (g < QH) {
+    float* head_out = out + g * out_stride;
+#pragma unroll
+    for (int e = 0; e < PARTS; ++e) {
+      // float2: a run's partials are HEAD_DIM + 2 floats apart, so only 8-byte aligned.
+      float2* dims = reinterpret_cast<float2*>(head_out + 32 * e + 8 * t);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        dims[m] = whole ? make_float2(acc[e][m][0] / sum_exp, acc[e][m][1] / sum_exp)
+                        : make_float2(acc[e][m][0], acc[e][m][1]);
+      }
+    }
+    if (!whole && t == 0) {
+      head_out[HEAD_DIM] = running_max;
+      head_out[HEAD_DIM + 1] = sum_exp;
+    }
+  }
+}
+
 // Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
 // positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values
 // in `cache` (LayerCache: the new slot written, or for a quantized cache in `fresh`, stored here). A
@@ -1065,8 +1228,10 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
 // (all resident) wherever a group has more than one run. FEWER_HEADS: query_heads' `fewer`.
 // STAGED_KEYS: a plain cache's keys are staged in shared memory after the queries (PlainSlots), where
-// step.py found room for them (kernels.attention_floats).
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, typename Cache>
+// step.py found room for them (kernels.attention_floats). TENSOR_RUNS: a plain cache's runs are
+// tensor_attention_run's (layer_kernel, heads it takes), which stages nothing.
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, bool TENSOR_RUNS,
+          typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
   constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
@@ -1105,14 +1270,24 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     __syncwarp();
     const auto head_slots = cache.template slots<QH>(seq, kv_head, key_rows);
     const int end = min(r * run + run, slots);
-    if (runs == 1) {
-      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
-                                  attn + seq_head * HEAD_DIM, HEAD_DIM, true);
-      continue;
-    }
     float* group_partials = partials + static_cast<size_t>(seq_head) * stride;
-    attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end, Cache::quantized && end == slots,
-                                group_partials + r * (HEAD_DIM + 2), stride, false);
+    if constexpr (!Cache::quantized && TENSOR_RUNS) {
+      if (runs == 1) {
+        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, 0, slots,
+                                           attn + seq_head * HEAD_DIM, HEAD_DIM, true);
+        continue;
+      }
+      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, r * run, end,
+                                         group_partials + r * (HEAD_DIM + 2), stride, false);
+    } else {
+      if (runs == 1) {
+        attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
+                                    attn + seq_head * HEAD_DIM, HEAD_DIM, true);
+        continue;
+      }
+      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end, Cache::quantized && end == slots,
+                                  group_partials + r * (HEAD_DIM + 2), stride, false);
+    }
     __threadfence();
     __syncwarp();
     unsigned int* done = runs_done + seq * GROUPS + group;
@@ -1189,7 +1364,7 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS>(1, position, q, partials, attn,
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS, tensor_runs_take(HEAD_DIM)>(1, position, q, partials, attn,
                                                                                     cache, runs_done, smem);
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, (KEY_BITS > 0)>(1, runs_done);

@@ -50,6 +50,8 @@ LAYER_THREADS = _constant(_STEP_SOURCE, "LAYER_THREADS")  # a block of layer_ker
 SEQ_TILE = _constant(_BATCH_SOURCE, "SEQ_TILE")  # sequences of one tensor-core product
 MAX_QUERY_HEADS = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS")  # query heads an attention warp takes at most
 MAX_QUERY_HEADS_QUANTIZED = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS_QUANTIZED")  # the same over a quantized cache
+# Heads layer_kernel attends on tensor cores over a plain cache (decode_step.cu's tensor_attention_run).
+TENSOR_RUNS_MAX_HEAD_DIM = _constant(_STEP_SOURCE, "TENSOR_RUNS_MAX_HEAD_DIM")
 # Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
 MAX_BATCH = 2 * SEQ_TILE
 FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
@@ -135,6 +137,12 @@ def query_heads(c: ModelConfig, quantized: bool = False) -> int:
     while n < (MAX_QUERY_HEADS_QUANTIZED if quantized else MAX_QUERY_HEADS) and per_kv_head % (2 * n) == 0:
         n *= 2
     return n
+
+
+def tensor_runs(c: ModelConfig) -> bool:
+    """decode_step.cu's tensor_runs_take: whether layer_kernel attends over a plain cache on tensor
+    cores, which read keys straight into registers (no keys staged in shared memory)."""
+    return c.head_dim % 32 == 0 and c.head_dim <= TENSOR_RUNS_MAX_HEAD_DIM
 
 
 def head_groups(c: ModelConfig, quantized: bool = False) -> int:

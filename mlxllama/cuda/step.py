@@ -90,8 +90,10 @@ class KernelStep:
         self.head_norm = model.output_norm
         self.head_linear = model.token_embd.as_linear if c.tied_output else model.output
         # Attention stages a plain cache's keys in shared memory where there is room for them
-        # (decode_step.cu's PlainSlots says why); a quantized cache's it never does.
-        self.staged_keys = self.stage_keys and 4 * kernels.layer_shared_floats(c, staged_keys=True) <= shared_bytes
+        # (decode_step.cu's PlainSlots says why); a quantized cache's it never does, nor one
+        # sequence's attention on tensor cores (kernels.tensor_runs).
+        self.staged_keys = (self.stage_keys and not kernels.tensor_runs(c)
+                            and 4 * kernels.layer_shared_floats(c, staged_keys=True) <= shared_bytes)
         tiles = MAX_BATCH // SEQ_TILE
         self.batch_staged_keys = (self.stage_keys
                                   and 4 * kernels.batch_shared_floats(c, tiles, staged_keys=True) <= shared_bytes)

@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
+from unittest.mock import patch
 
 import gguf
 import mlx.core as mx
@@ -90,19 +91,18 @@ def test_kernel_step_matches_the_plain_step(name):
 
 
 @on_cuda
-@pytest.mark.parametrize("blocks,length,staged", [(None, 70, True), (None, 300, True), (3, 300, False), (1, 300, True)])
-def test_kernel_step_over_many_runs_of_slots(blocks, length, staged):
-    """chat-tiny's 8 heads in 2 groups of 4 (kernels.query_heads). 70 cached slots on the whole GPU:
-    3 runs of one chunk (32 slots), fewer than a group's heads, so one of the warps that combine
-    them takes two; 300: 10 runs, the last 4 warps done each combining a head; on 3 blocks, 10
-    runs too, from a MAX_RUNS of 24, with the keys read from L2 (no shared memory for staging
-    them); on 1 block, 5 runs of two chunks (MAX_RUNS 8), the second chunk's keys staged while the
-    first's values are added."""
+@pytest.mark.parametrize("blocks,length", [(None, 70), (None, 300), (3, 300), (1, 300)])
+def test_kernel_step_over_many_runs_of_slots(blocks, length):
+    """chat-tiny's 8 heads in 2 groups of 4 (kernels.query_heads), attended on tensor cores. 70
+    cached slots on the whole GPU: 3 runs of one chunk (32 slots), fewer than a group's heads, so one
+    of the warps that combine them takes two; 300: 10 runs, the last 4 warps done each combining a
+    head; on 3 blocks, 10 runs too, from a MAX_RUNS of 24; on 1 block, 5 runs of two chunks
+    (MAX_RUNS 8), each a step of 32 slots after another."""
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     step = runtime.model.decode_step
     if blocks is not None:
-        step = KernelStep(runtime.model, step.fallback, blocks, device_limits()[1] if staged else 0)
-    assert step.staged_keys == staged
+        step = KernelStep(runtime.model, step.fallback, blocks, device_limits()[1])
+    assert kernels.tensor_runs(runtime.config) and not step.staged_keys
     assert kernels.query_heads(runtime.config) == 4
     ids = np.random.default_rng(0).integers(3, runtime.config.vocab_size, length).tolist()
     assert_steps_match(runtime.model, step, ids)
@@ -430,10 +430,23 @@ def test_attention_stages_keys_only_where_shared_memory_has_room_for_them():
     without = 4 * kernels.layer_shared_floats(c, staged_keys=False)
     # 16 warps' rows of 32 keys: head_dim float16 values and 16 bytes of padding each.
     assert with_keys - without == 16 * 32 * (2 * c.head_dim + 16)
-    roomy = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys)
-    assert roomy.staged_keys and roomy.takes(1)
-    tight = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys - 4)
-    assert not tight.staged_keys and tight.takes(1)
+    # chat-tiny's heads of 32 are attended on tensor cores, which stage no keys.
+    assert kernels.tensor_runs(c)
+    assert not KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys).staged_keys
+    # As for heads that attention_run takes (wider than TENSOR_RUNS_MAX_HEAD_DIM):
+    with patch.object(kernels, "TENSOR_RUNS_MAX_HEAD_DIM", c.head_dim // 2):
+        roomy = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys)
+        assert roomy.staged_keys and roomy.takes(1)
+        tight = KernelStep(runtime.model, plain, blocks=132, shared_bytes=with_keys - 4)
+        assert not tight.staged_keys and tight.takes(1)
+
+
+@pytest.mark.parametrize("head_dim,takes", [(32, True), (64, True), (96, False), (128, False), (256, False)])
+def test_one_sequence_attends_on_tensor_cores_over_heads_of_up_to_64(chat_tiny_config, head_dim, takes):
+    """decode_step.cu's tensor_attention_run holds a lane's rows of 32 slots in registers: for heads
+    of 128 they spilled, and attention_run takes those."""
+    assert kernels.TENSOR_RUNS_MAX_HEAD_DIM == 64
+    assert kernels.tensor_runs(replace(chat_tiny_config, head_dim=head_dim)) == takes
 
 
 @pytest.fixture(scope="module")
