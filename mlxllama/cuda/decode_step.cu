@@ -1057,20 +1057,20 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // float32 sums), computing what attention_run computes: the warp's query heads are rows of A (rows
 // QH to 15 zero, their results unused) and 8 slots the columns of a product, so 32 slots are 16
 // products for their scores and 16 for their values, where attention_run has a lane score its slot
-// by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order is
-// free as long as both operands follow it: within each 32 dims, lane t of a quad holds dims 8t ..
-// 8t + 7 of a query and of a key (its first k step takes dims 8t .. 8t + 3, the second 8t + 4 ..
-// 8t + 7), so a key row is read 16 contiguous bytes a lane. Values are read the same way, as rows of 8x8 matrices (slots by dims),
-// and made B operands by movmatrix's transpose; the output's columns follow, lane t of a quad ending
-// with dims 8t .. 8t + 7 of each 32 of its head. Scores and the online softmax stay in the
-// products' accumulators; a head's largest score and sum take two shuffles across its quad.
-// A step takes 4 groups of 8 slots, each lane a key and a value row of each. The next step's keys are
-// loaded once this step's are scored, its values once this step's are added: one sequence at depth
-// 8,192 decoded 1.13x as fast as with each step's rows loaded at its start, though ptxas spills
-// 120 bytes a thread for it (docs/benchmarks.md, "One sequence's attention on tensor cores"). Heads
-// of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows would spill far more, and
-// attention_run takes them. layer_kernel only: in batch_layer_kernel, whose runs are longer and
-// whose registers are fewer, it decoded slower than attention_run.
+// by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order
+// is free as long as both operands follow it: within each 32 dims, lane t of a quad holds dims 8t
+// .. 8t + 7 of a query and of a key (its first k step takes dims 8t .. 8t + 3, the second 8t + 4 ..
+// 8t + 7), so a key row is read 16 contiguous bytes a lane. Values are read the same way, as rows
+// of 8x8 matrices (slots by dims), and made B operands by movmatrix's transpose; the output's
+// columns follow, lane t of a quad ending with dims 8t .. 8t + 7 of each 32 of its head. Scores and
+// the online softmax stay in the products' accumulators; a head's largest score and sum take two
+// shuffles across its quad. A step takes 4 groups of 8 slots, each lane a key and a value row of
+// each. The next step's keys are loaded once this step's are scored, its values once this step's
+// are added: one sequence at depth 8,192 decoded 1.13x as fast as with each step's rows loaded at
+// its start, though ptxas spills 120 bytes a thread for it (docs/benchmarks.md, "One sequence's
+// attention on tensor cores"). Heads of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows
+// would spill far more, and attention_run takes them. layer_kernel only: in batch_layer_kernel,
+// whose runs are longer and whose registers are fewer, it decoded slower than attention_run.
 __device__ inline uint32_t half_pair(float lo, float hi) {
   const __half2 pair = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&pair);
@@ -1185,10 +1185,12 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
 #pragma unroll
       for (int s = 0; s < SLOT_GROUPS / 2; ++s) {
         const uint4 low = value[2 * s][e], high = value[2 * s + 1][e];
-        mma_rows_0_7(acc[e][0][0], acc[e][0][1], weights[2 * s], weights[2 * s + 1], transposed(low.x), transposed(high.x));
-        mma_rows_0_7(acc[e][1][0], acc[e][1][1], weights[2 * s], weights[2 * s + 1], transposed(low.y), transposed(high.y));
-        mma_rows_0_7(acc[e][2][0], acc[e][2][1], weights[2 * s], weights[2 * s + 1], transposed(low.z), transposed(high.z));
-        mma_rows_0_7(acc[e][3][0], acc[e][3][1], weights[2 * s], weights[2 * s + 1], transposed(low.w), transposed(high.w));
+        const uint32_t lows[4] = {low.x, low.y, low.z, low.w}, highs[4] = {high.x, high.y, high.z, high.w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          mma_rows_0_7(acc[e][m][0], acc[e][m][1], weights[2 * s], weights[2 * s + 1], transposed(lows[m]),
+                       transposed(highs[m]));
+        }
       }
     }
     if (next < end) {
@@ -1364,8 +1366,8 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS, tensor_runs_take(HEAD_DIM)>(1, position, q, partials, attn,
-                                                                                    cache, runs_done, smem);
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS, tensor_runs_take(HEAD_DIM)>(
+      1, position, q, partials, attn, cache, runs_done, smem);
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, (KEY_BITS > 0)>(1, runs_done);
 
