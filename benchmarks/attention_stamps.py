@@ -9,7 +9,8 @@ the step's new slot), writes clock64() at each phase of its item into an extra o
 warp that stores a quantized cache's new slot (store_fresh). It decodes up to the last of
 --positions and at each prints, as medians over the layers, each phase's end in cycles from the
 item's start. A position whose group has one run shows it as the last run only; a phase the warp
-did not reach is left out (a run that combines no head waits for none).
+did not reach is left out (a run that combines no head waits for none; a run on tensor cores,
+tensor_attention_run's, has no new slot or finish phase, and its "chunk" is a step of 32 slots).
 
 --twice: every run of slots, and every combining of a head's runs, done twice in a row, the stamps
 marking the second (and the first combining's end): whether a phase is slow because its code runs
@@ -65,10 +66,11 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
     """The kernels' header (kernels.HEADER) with the stamps, and the layer kernel's extra output
     `att`, written in; with `twice`, each attention_run and combine_runs call made twice; with
     `probe`, the round trips to L2 timed (l2_round_trips) at an item's start and after the wait."""
-    def put(anchor: str, text: str, before: bool = False) -> None:
+    def put(anchor: str, text: str, before: bool = False, times: int = 1) -> None:
         nonlocal source
-        if source.count(anchor) != 1:
-            raise SystemExit(f"attention_stamps.py: the kernels have changed: {anchor.strip()[:60]!r} not found once")
+        if source.count(anchor) != times:
+            raise SystemExit(f"attention_stamps.py: the kernels have changed: {anchor.strip()[:60]!r} not found "
+                             f"{'once' if times == 1 else f'{times} times'}")
         source = source.replace(anchor, text + anchor if before else anchor + text)
 
     put("__device__ inline void grid_barrier(",
@@ -78,6 +80,16 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
         before=True)
     put("float* out, int out_stride, bool whole", ", int sb = -1")
     put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
+    # The same phases of a run on tensor cores (tensor_attention_run; no new slot or finish there).
+    put("float* out,\n                                     int out_stride, bool whole", ", int sb = -1")
+    put("  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;\n", "  ASTAMP(sb, 2);\n")
+    put("    if (next < end) {\n      step_rows<HEAD_DIM>(keys, next, end, key);", "    if (first == begin) ASTAMP(sb, 12);\n",
+        before=True)
+    put("#pragma unroll\n    for (int e = 0; e < PARTS; ++e) {\n#pragma unroll\n      for (int m = 0; m < 4; ++m) {\n"
+        "        acc[e][m][0] *= correction;", "    if (first == begin) ASTAMP(sb, 13);\n", before=True)
+    put("    if (next < end) {\n      step_rows<HEAD_DIM>(values, next, end, value);", "    if (first == begin) ASTAMP(sb, 10);\n",
+        before=True)
+    put("  sum_exp += __shfl_xor_sync(0xffffffff, sum_exp, 1);\n", "  ASTAMP(sb, 3);\n", before=True)
     put("      slots.score(slot, q, q_sums, score);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 12);\n")
     put("    if (slot < cached_end) {\n      slots.add_value_biases(slot, p);", "    if (chunk == begin) ASTAMP(sb, 13);\n",
         before=True)
@@ -93,8 +105,8 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
         f"    const int sb = seq == 0 && group == 0 ? (r == runs - 1 ? {LAST_RUN} : r == 0 ? {FIRST_RUN} : -1) : -1;\n"
         "    ASTAMP(sb, 0);\n")
     put("    const auto head_slots = cache.template slots<QH>(", "    ASTAMP(sb, 1);\n", before=True)
-    put("attn + seq_head * HEAD_DIM, HEAD_DIM, true", ", sb")
-    put("group_partials + r * (HEAD_DIM + 2), stride, false", ", sb")
+    put("attn + seq_head * HEAD_DIM, HEAD_DIM, true", ", sb", times=2)  # tensor_attention_run's call, attention_run's
+    put("group_partials + r * (HEAD_DIM + 2), stride, false", ", sb", times=2)
     put("    __threadfence();\n    __syncwarp();\n    unsigned int* done = runs_done", "    ASTAMP(sb, 6);\n", before=True)
     put("combiners = min(QH, runs);\n", "    ASTAMP(sb, 7);\n")
     put("    for (int h = rank; h < QH; h += combiners) {\n      combine_runs", "    ASTAMP(sb, 8);\n", before=True)
@@ -109,8 +121,10 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
     put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 1);\n")
     put("const float* scratch, float* y", ", unsigned long long* att")
     if twice:
-        for call in ("      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots,",
-                     "    attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end,"):
+        for call in ("        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, 0, slots,",
+                     "      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, r * run, end,",
+                     "        attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots,",
+                     "      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end,"):
             start = source.index(call)
             first = source[start:source.index(";\n", start) + 2]
             put(first, first.replace(", sb);", ", -1);"), before=True)

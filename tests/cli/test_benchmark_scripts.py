@@ -39,17 +39,24 @@ def test_attention_stamps_mark_each_phase_of_an_attention_item_in_order():
     run = stamped.split("__device__ void attention_run(")[1].split("__device__")[0]
     # Inside the loop over its chunks, for the first: scored (12), weighted (13) and done (10).
     assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", run)] == [2, 12, 13, 10, 3, 4, 5]
+    # The same phases of a run on tensor cores, which has no new slot to take nor a finish.
+    tensor_run = stamped.split("__device__ void tensor_attention_run(")[1].split("__device__")[0]
+    assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", tensor_run)] == [2, 12, 13, 10, 3]
+    assert "bool whole, int sb = -1) {" in tensor_run
     combine = stamped.split("__device__ void combine_runs(")[1].split("__device__")[0]
     assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", combine)] == [14, 15]  # largest score, runs summed
-    assert items.count(", sb);") == 3  # both calls of attention_run, and combine_runs', pass the item's stamps on
+    # Both calls of tensor_attention_run and of attention_run, and combine_runs', pass the item's stamps on.
+    assert items.count(", sb);") == 5
     assert "unsigned long long* att) {" in stamped
 
 
 def test_attention_stamps_twice_makes_each_run_and_combining_twice_stamping_the_second():
     stamped = run_script("benchmarks/attention_stamps.py", "--header-only", "--twice")
     items = stamped.split("__device__ void attention_items(")[1].split("__device__ void reset_runs_done(")[0]
-    calls = re.findall(r"attention_run<HEAD_DIM, QH>\(.*?, (-1|sb)\);", items, re.S)
-    assert calls == ["-1", "sb", "-1", "sb"]  # each call first unstamped, then stamped
+    calls = re.findall(r"(tensor_attention_run|attention_run)<HEAD_DIM, QH>\(.*?, (-1|sb)\);", items, re.S)
+    # Each call (two on tensor cores, then attention_run's two) first unstamped, then stamped.
+    assert calls == [(run, stamp) for run in ["tensor_attention_run"] * 2 + ["attention_run"] * 2
+                     for stamp in ("-1", "sb")]
     combining = items.split("for (int h = rank; h < QH; h += combiners) {")[1].split("\n    }\n")[0]
     assert combining.count("combine_runs<HEAD_DIM>(") == 2 and "ASTAMP(sb, 11);" in combining
     assert combining.index("ASTAMP(sb, 11);") < combining.rindex("combine_runs<HEAD_DIM>(")
@@ -68,12 +75,18 @@ def test_attention_stamps_l2_probe_times_dependent_reads_at_the_start_and_after_
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_kernel_sass_compiles_the_one_sequence_kernel_without_spilling():
-    # ptxas's counts for the plain cache's one-sequence kernel: it fits a 512-thread block's 128
-    # registers a thread with nothing spilled (the quantized caches' builds spill: docs/benchmarks.md).
+def test_kernel_sass_compiles_the_one_sequence_kernel_spilling_no_more_than_measured():
+    # ptxas's counts for the plain cache's one-sequence kernel in a 512-thread block's 128 registers
+    # a thread: its attention on tensor cores holds the next step's rows ahead, for which it spills
+    # some 120 bytes, and that build measured faster than one that spilled nothing
+    # (docs/benchmarks.md, "One sequence's attention on tensor cores"). A change that spills much
+    # more (heads of 128 would: 1.9 KB) shows here.
     out = run_script("benchmarks/kernel_sass.py", "--cache", "plain")
-    assert re.fullmatch(r"layer_kernel, plain cache: 0 bytes spill stores, 0 bytes spill loads; "
-                        r"Used \d+ registers\n", out), out
+    counts = re.fullmatch(r"layer_kernel, plain cache: (\d+) bytes spill stores, (\d+) bytes spill loads; "
+                          r"Used (\d+) registers\n", out)
+    assert counts, out
+    stores, loads, registers = map(int, counts.groups())
+    assert stores <= 160 and loads <= 400 and registers <= 128, out
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
