@@ -188,12 +188,8 @@ def through_generate_step(generate_step, model, ids: mx.array, cache: list, n_ge
 def time_fused_prefill(runtime, n_prompt: int, seed: int) -> float:
     """bench.time_prompt with MLX's fused attention, as every backend but CUDA prefills; the model's
     choice restored after."""
-    how = runtime.model.prefill_attention
-    runtime.model.attend_prefill(FUSED)
-    try:
+    with runtime.model.attending_prefill(FUSED):
         return bench.time_prompt(runtime, n_prompt, seed)
-    finally:
-        runtime.model.attend_prefill(how)
 
 
 def ours_in_generate_step(runtime, generate_step, cache: list, n_gen: int, seed: int, depth: int) -> float:

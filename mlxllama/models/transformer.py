@@ -8,8 +8,9 @@ weights load by name and a tensor can be followed from the file to the layer tha
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import cache, partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -374,6 +375,17 @@ class Transformer(nn.Module):
     @property
     def prefill_attention(self) -> str:
         return self.blk[0]._prefill_attention
+
+    @contextmanager
+    def attending_prefill(self, how: str) -> Iterator[None]:
+        """attend_prefill(how) inside the block, the model's own choice again after it (benchmarks
+        and tests that time or compare one way of attending)."""
+        chosen = self.prefill_attention
+        self.attend_prefill(how)
+        try:
+            yield
+        finally:
+            self.attend_prefill(chosen)
 
     def store_kv_quantized(self, quantization: KVQuantization | None) -> None:
         """Make every cache made from now on store keys and values so (None: at full precision)."""

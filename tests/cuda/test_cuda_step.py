@@ -197,13 +197,9 @@ def assert_steps_match(model, kernel_step, ids: list[int]):
     caches = model.make_cache(), model.make_cache()
     # Both prefilled alike: under CUDA's EXPLICIT_FIRST the second prefill of a shape of 512 ids or
     # more attends by the fused kernel, whose keys and values differ from the first's by rounding.
-    how = model.prefill_attention
-    model.attend_prefill(EXPLICIT)
-    try:
+    with model.attending_prefill(EXPLICIT):
         for cache in caches:
             model(mx.array([ids]), cache)
-    finally:
-        model.attend_prefill(how)
     token = mx.array([[ids[-1]]])
     kls = []
     for step in range(STEPS):

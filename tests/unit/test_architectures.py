@@ -166,6 +166,11 @@ def test_cudas_prefill_attends_a_shape_explicitly_when_first_met_and_fused_when_
     assert explicit_layers(5)[0] == layers and explicit_layers(6)[0] == 0
     with pytest.raises(ValueError, match="'explicit-first'"):
         model.attend_prefill("sometimes")
+    # For a block only (benchmarks, tests): the model's choice back after it, however it ends.
+    with pytest.raises(RuntimeError), model.attending_prefill(transformer.FUSED):
+        assert model.prefill_attention == transformer.FUSED
+        raise RuntimeError
+    assert model.prefill_attention == transformer.EXPLICIT_FIRST
 
 
 def test_explicit_attention_is_five_operations_in_the_compute_type():

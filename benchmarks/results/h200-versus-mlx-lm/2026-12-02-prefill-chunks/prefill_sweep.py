@@ -8,20 +8,14 @@ it prefills a shape it meets the first time (explicit products: forced for every
 always fused (as a Mac prefills), mlx-lm. Then, before any of that in the same fresh process, the
 first and later prefills of a few lengths (ms): what a one-off prompt pays.
 """
-import argparse
-
 import mlx.core as mx
 
 import versus_mlx_lm
 from mlxllama import bench, load
-from rounds_table import print_table
+from rounds_table import arguments, print_table
 from mlxllama.models.transformer import EXPLICIT, FUSED
 
-parser = argparse.ArgumentParser()
-parser.add_argument("model")
-parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
-parser.add_argument("--rounds", type=int, default=7)
-args = parser.parse_args()
+args = arguments("512,1024,2048,4096,8192")
 
 runtime = load(args.model)
 print(f"device: {mx.default_device()}, prefill attention: {runtime.model.prefill_attention}")
@@ -35,25 +29,19 @@ for n in (3000, 1000, 4096, 3000):
 theirs = versus_mlx_lm.MlxLm(runtime.config, runtime.model.compute_dtype)
 
 
-def ours(how: str | None):
+def ours(how: str):
     def timer(n: int, seed: int) -> float:
-        runtime_how = runtime.model.prefill_attention
-        if how:
-            runtime.model.attend_prefill(how)
-        try:
+        with runtime.model.attending_prefill(how):
             return n / bench.time_prompt(runtime, n, seed)
-        finally:
-            runtime.model.attend_prefill(runtime_how)
     return timer
 
 
 engines = {
-    "ours as the runtime, a shape met again": ours(None),
+    "ours as the runtime, a shape met again": ours(runtime.model.prefill_attention),
     "ours as the runtime, a shape met first (explicit)": ours(EXPLICIT),
     "ours always fused (as a Mac)": ours(FUSED),
     "mlx-lm, chunks of 2,048": lambda n, seed: n / theirs.time_prompt(n, seed),
 }
-lengths = [int(n) for n in args.lengths.split(",")]
 print(f"\n{args.rounds} rounds; tokens/s (median), ratio to mlx-lm round by round (range)")
 # Two warm-ups, as the run of 2026-12-02 had (the runtime's engine plans a shape met again).
-print_table(engines, lengths, args.rounds, "mlx-lm, chunks of 2,048", warm_ups=2)
+print_table(engines, args.lengths, args.rounds, "mlx-lm, chunks of 2,048", warm_ups=2)
