@@ -6,20 +6,14 @@ each in chunks of 512 and of 2,048 (mlx-lm's generate_step default), interleaved
 
 Prints tokens/s medians and each engine's ratio round by round to mlx-lm in chunks of 2,048.
 """
-import argparse
-
 import mlx.core as mx
 
 import versus_mlx_lm
 from mlxllama import bench, load
-from rounds_table import print_table
+from rounds_table import arguments, print_table
 from mlxllama.models import transformer
 
-parser = argparse.ArgumentParser()
-parser.add_argument("model")
-parser.add_argument("--lengths", default="512,1024,2048,4096")
-parser.add_argument("--rounds", type=int, default=7)
-args = parser.parse_args()
+args = arguments("512,1024,2048,4096")
 
 runtime = load(args.model)
 theirs = versus_mlx_lm.MlxLm(runtime.config, runtime.model.compute_dtype)
@@ -58,4 +52,4 @@ engines = {
 }
 print(f"device: {mx.default_device()}, {args.rounds} rounds, tokens/s (median) and ratio to mlx-lm in chunks of "
       "2,048, round by round (range)")
-print_table(engines, [int(n) for n in args.lengths.split(",")], args.rounds, "mlx-lm, 2048")
+print_table(engines, args.lengths, args.rounds, "mlx-lm, 2048")

@@ -1,8 +1,19 @@
-"""The table prefill_chunks.py and prefill_sweep.py print: each engine's median tokens/s at each
-prompt length, with its ratio to one engine's, round by round (versus_mlx_lm.paired)."""
+"""What prefill_chunks.py and prefill_sweep.py share: their arguments, and the table they print (each
+engine's median tokens/s at each prompt length, with its ratio to one engine's, round by round:
+versus_mlx_lm.paired)."""
+import argparse
 import statistics
 
 import versus_mlx_lm
+
+
+def arguments(lengths: str) -> argparse.Namespace:
+    """MODEL [--lengths N,N,...] [--rounds R], `lengths` the default; args.lengths a list of ints."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--lengths", type=lambda text: [int(n) for n in text.split(",")], default=lengths)
+    parser.add_argument("--rounds", type=int, default=7)
+    return parser.parse_args()
 
 
 def print_table(engines: dict, lengths: list[int], rounds: int, base: str, warm_ups: int = 1) -> None:
