@@ -2,7 +2,7 @@
 
     python benchmarks/attention_depth.py MODEL.gguf [--depths 0,4096,8192] [--batches 1,16]
         [--query-heads 8,4] [--runs-limits 64,128] [--staged-keys 1,0] [--sources shipped,VARIANT.cu]
-        [--rounds 1] [-n 128] [-r 2] [--json OUT.jsonl]
+        [--kv-bits 0,8,4] [--rounds 1] [-n 128] [-r 2] [--json OUT.jsonl]
 
 Each variant is one setting of what shapes attention_items (mlxllama/cuda): the query heads a warp
 takes at once (decode_step.cu's MAX_QUERY_HEADS, patched into the kernels' source), the runs a
@@ -10,8 +10,9 @@ head group's slots may be cut into (kernels.RUNS_LIMIT), whether a plain cache's
 in shared memory (KernelStep.stage_keys) and the decode_step.cu the kernels are built from
 ("shipped", or a variant's file under study, e.g. the shipped file with a patch applied: `patch -o
 VARIANT.cu mlxllama/cuda/decode_step.cu < P.patch`); every combination of the values given, the
-shipped setting first, and with `--rounds` all of them again in turn. For each, `mlxllama bench`'s tg (bench.run: -p 0, its -n, -r, -b and -d) with the kernels: one
-line a variant and test, and the rows as JSON lines with --json.
+shipped setting first, and with `--rounds` all of them again in turn. For each, `mlxllama bench`'s tg (bench.run: -p 0, its -n, -r, -b and -d) with the kernels,
+over each cache of --kv-bits (0: unquantized; else `--kv-bits N`'s): one line a variant, cache and
+test, and the rows as JSON lines with --json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxllama import bench
+from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
 from mlxllama.cuda.step import KernelStep
 from mlxllama.errors import MlxLlamaError
@@ -67,6 +69,7 @@ def main():
     parser.add_argument("--runs-limits", type=numbers, default=[64, 128])
     parser.add_argument("--staged-keys", type=numbers, default=[1])
     parser.add_argument("--sources", type=lambda text: text.split(","), default=["shipped"])
+    parser.add_argument("--kv-bits", type=numbers, default=[0], help="caches to decode over: 0 unquantized, 8 or 4")
     parser.add_argument("--rounds", type=int, default=1, help="times every variant is run, in turn")
     parser.add_argument("-n", "--n-gen", type=int, default=128)
     parser.add_argument("-r", "--repetitions", type=int, default=2)
@@ -77,19 +80,23 @@ def main():
     for source in args.sources:
         if source != "shipped" and not Path(source).is_file():
             raise SystemExit(f"attention_depth.py: no such file: {source}")
+    if any(bits not in (0, 4, 8) for bits in args.kv_bits):
+        raise SystemExit("attention_depth.py: --kv-bits takes 0, 4 and 8")
     rows = []
-    for round_, variant in ((r, v) for r in range(args.rounds)
-                            for v in variants(args.query_heads, args.runs_limits, args.staged_keys, args.sources)):
+    for round_, variant, kv_bits in ((r, v, b) for r in range(args.rounds)
+                                     for v in variants(args.query_heads, args.runs_limits, args.staged_keys, args.sources)
+                                     for b in args.kv_bits):
         use(**variant)
         try:
             report = bench.run(args.model, n_prompt=0, n_gen=args.n_gen, batches=tuple(args.batches),
-                               repetitions=args.repetitions, depths=tuple(args.depths))
+                               repetitions=args.repetitions, depths=tuple(args.depths),
+                               kv_quantization=KVQuantization(kv_bits) if kv_bits else None)
         except MlxLlamaError as e:
             raise SystemExit(f"attention_depth.py: {e}")
         if report.mode != "native+kernels":
             raise SystemExit(f"attention_depth.py: {args.model} does not decode through the CUDA kernels")
         for test in report.tests:
-            row = dict(variant, round=round_, batch=test.batch, depth=test.depth,
+            row = dict(variant, kv_bits=kv_bits, round=round_, batch=test.batch, depth=test.depth,
                        tokens_per_second=round(test.median, 1), stdev=round(test.stdev, 1))
             rows.append(row)
             print(json.dumps(row), flush=True)

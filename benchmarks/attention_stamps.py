@@ -78,16 +78,16 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
         f"#define ASTAMP(base, k) do {{ if (g_att != nullptr && (base) >= 0 && threadIdx.x % 32 == 0) "
         f"g_att[blockIdx.x * {SLOTS} + (base) + (k)] = clock64(); }} while (0)\n" + (PROBE_READS if probe else ""),
         before=True)
-    put("float* out, int out_stride, bool whole", ", int sb = -1")
+    put("bool fresh_last,\n                              float* out, int out_stride, bool whole", ", int sb = -1")
     put("  constexpr int per_lane = HEAD_DIM / 32, at_once = Slots::at_once;\n", "  ASTAMP(sb, 2);\n")
     # The same phases of a run on tensor cores (tensor_attention_run; no new slot or finish there).
-    put("float* out,\n                                     int out_stride, bool whole", ", int sb = -1")
+    put("int end,\n                                     float* out, int out_stride, bool whole", ", int sb = -1")
     put("  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;\n", "  ASTAMP(sb, 2);\n")
-    put("    if (next < end) {\n      step_rows<HEAD_DIM>(keys, next, end, key);", "    if (first == begin) ASTAMP(sb, 12);\n",
+    put("    if (next < end) {\n      step_rows(keys, next, end, key);", "    if (first == begin) ASTAMP(sb, 12);\n",
         before=True)
     put("#pragma unroll\n    for (int e = 0; e < PARTS; ++e) {\n#pragma unroll\n      for (int m = 0; m < 4; ++m) {\n"
         "        acc[e][m][0] *= correction;", "    if (first == begin) ASTAMP(sb, 13);\n", before=True)
-    put("    if (next < end) {\n      step_rows<HEAD_DIM>(values, next, end, value);", "    if (first == begin) ASTAMP(sb, 10);\n",
+    put("    if (next < end) {\n      step_rows(values, next, end, value);", "    if (first == begin) ASTAMP(sb, 10);\n",
         before=True)
     put("  sum_exp += __shfl_xor_sync(0xffffffff, sum_exp, 1);\n", "  ASTAMP(sb, 3);\n", before=True)
     put("      slots.score(slot, q, q_sums, score);\n    }\n", "    if (chunk == begin) ASTAMP(sb, 12);\n")
@@ -107,6 +107,7 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
     put("    const auto head_slots = cache.template slots<QH>(", "    ASTAMP(sb, 1);\n", before=True)
     put("attn + seq_head * HEAD_DIM, HEAD_DIM, true", ", sb", times=2)  # tensor_attention_run's call, attention_run's
     put("group_partials + r * (HEAD_DIM + 2), stride, false", ", sb", times=2)
+    put("out, out_stride, false", ", sb")  # a quantized cache's runs on tensor cores
     put("    __threadfence();\n    __syncwarp();\n    unsigned int* done = runs_done", "    ASTAMP(sb, 6);\n", before=True)
     put("combiners = min(QH, runs);\n", "    ASTAMP(sb, 7);\n")
     put("    for (int h = rank; h < QH; h += combiners) {\n      combine_runs", "    ASTAMP(sb, 8);\n", before=True)
@@ -121,11 +122,11 @@ def stamped_source(source: str, twice: bool = False, probe: bool = False) -> str
     put("  cache.store_fresh(seqs, positions);\n", f"  if (grid_warps() - 1 - grid_warp() == 0) ASTAMP({STORE}, 1);\n")
     put("const float* scratch, float* y", ", unsigned long long* att")
     if twice:
-        for call in ("        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, 0, slots,",
-                     "      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, r * run, end,",
+        tensor = "tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), "
+        for call in (f"        {tensor}0, slots,", f"      {tensor}r * run, end,", f"        {tensor}r * run, end,",
                      "        attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots,",
                      "      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end,"):
-            start = source.index(call)
+            start = source.index("\n" + call) + 1  # a whole line: one call's indent may begin another's
             first = source[start:source.index(";\n", start) + 2]
             put(first, first.replace(", sb);", ", -1);"), before=True)
         combine = "      combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);\n"

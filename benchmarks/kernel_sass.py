@@ -67,14 +67,15 @@ def wrapper(function: str, header: str, cache: KVQuantization | None, batch: boo
         parameters.append((kind, name.lstrip("*")))
     values = dict(TINYLLAMA, KEY_BITS=key_bits, VALUE_BITS=value_bits, KV_GROUP=group)
     arguments = [str(values[name]) for name in kernels.LAYER_TEMPLATE]
-    shape = SimpleNamespace(n_heads=TINYLLAMA["HEADS"], n_kv_heads=TINYLLAMA["KV_HEADS"])
+    shape = SimpleNamespace(n_heads=TINYLLAMA["HEADS"], n_kv_heads=TINYLLAMA["KV_HEADS"],
+                            head_dim=TINYLLAMA["HEAD_DIM"])
     # Keys staged in shared memory, as step.py does for TinyLlama's shapes on an H100.
     staged = "true"
     if batch:  # two tiles of sequences, as step.py's _batch_layer takes 16
         runs = kernels.max_runs(H100_SMS, shape, 2 * kernels.SEQ_TILE)
         arguments = ["2"] + arguments + [str(runs), staged]
     else:
-        runs = kernels.max_runs(H100_SMS, shape, quantized=key_bits > 0)
+        runs = kernels.max_runs(H100_SMS, shape, kv_group=group)
         arguments = arguments + [str(kernels.FFN_ROWS), str(runs), staged]
     call = f"{function}<{', '.join(arguments + list(types.values()))}>({', '.join(n for _, n in parameters)});"
     declared = ", ".join(f"{kind} {name}" for kind, name in parameters)

@@ -411,11 +411,12 @@ __device__ inline float warp_max(float v) {
 // dividing the heads a KV head serves allows, up to MAX_QUERY_HEADS: a warp keeps each head's
 // accumulators, and 8 heads spilled registers and decoded slower than 4 (docs/benchmarks.md,
 // "Attention at depth"). `fewer`: at most MAX_QUERY_HEADS_QUANTIZED, as layer_kernel takes them
-// over a quantized cache: a run there needs more registers (codes, scales, value biases), and with 4
-// heads a chunk of 32 slots took a lone warp 2.5 times a plain chunk's time (about 19,500 cycles
-// against 7,600; 12,300 with 2 heads), which the other runs of its head group wait for
-// (docs/benchmarks.md, "Quantized KV cache"). batch_layer_kernel keeps 4: at 16 sequences its warps
-// are many, and 2 heads were not measured there.
+// over a quantized cache that attention_run reads (not on tensor cores: tensor_runs_take): a run
+// there needs more registers (codes, scales, value biases), and with 4 heads a chunk of 32 slots
+// took a lone warp 2.5 times a plain chunk's time (about 19,500 cycles against 7,600; 12,300 with 2
+// heads), which the other runs of its head group wait for (docs/benchmarks.md, "Quantized KV
+// cache"). batch_layer_kernel keeps 4: at 16 sequences its warps are many, and 2 heads were not
+// measured there.
 constexpr int MAX_QUERY_HEADS = 4;
 constexpr int MAX_QUERY_HEADS_QUANTIZED = 2;
 
@@ -472,6 +473,108 @@ __device__ inline void copy_to_shared(void* dst, const void* src) {
 __device__ inline void copies_done() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+
+constexpr int TENSOR_RUNS_MAX_HEAD_DIM = 64;
+
+// Whether layer_kernel's runs are tensor_attention_run's for heads of head_dim over a plain cache
+// (kv_group 0) or one quantized in groups of kv_group dims: groups of 32, a part of the run's rows each.
+__host__ __device__ constexpr bool tensor_runs_take(int head_dim, int kv_group) {
+  return head_dim % 32 == 0 && head_dim <= TENSOR_RUNS_MAX_HEAD_DIM && (kv_group == 0 || kv_group == 32);
+}
+
+// The rows of a KV head's keys or values as tensor_attention_run reads them: a lane's 8 dims 8t .. 8t
+// + 7 (t = lane % 4) of each 32 of a slot, loaded as the cache stores them (load) and used as 16 bytes
+// of float16, dims in pairs (halves: part e, dims 32e + 8t ...). Read from L2: other blocks wrote the
+// newest slot in this launch.
+template <int HEAD_DIM, typename C>
+struct PlainTensorRows {
+  static constexpr int PARTS = HEAD_DIM / 32;
+  struct Loaded {
+    uint4 part[PARTS];
+  };
+  const C* rows;
+
+  __device__ void load(size_t slot, Loaded& out) const {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int e = 0; e < PARTS; ++e) {
+      out.part[e] = __ldcg(reinterpret_cast<const uint4*>(rows + slot * HEAD_DIM + 32 * e + 8 * t));
+    }
+  }
+
+  __device__ static uint4 halves(const Loaded& in, int e) {
+    return in.part[e];
+  }
+};
+
+__device__ inline __half2 as_half2(uint32_t bits) {
+  return *reinterpret_cast<const __half2*>(&bits);
+}
+
+__device__ inline uint32_t half2_bits(__half2 pair) {
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// A cache quantized in groups of 32 dims (MLX's affine format along the head; part e is group e):
+// a lane loads its 8 codes of each part and the slot's scales and biases, fewer bytes than a plain
+// row, and turns them into float16 where they are used. A code c becomes the float16 1024 + c when
+// placed in the mantissa of 1024 (0x6400), exactly; 1024 is taken off, also exactly, and scale * c +
+// bias is one fused multiply-add, rounded once to float16 (mx.dequantize's values, to within one
+// float16 step).
+template <int HEAD_DIM, int BITS, typename KS>
+struct QuantizedTensorRows {
+  static_assert(sizeof(KS) == 2 && (BITS == 4 || BITS == 8), "float16 scales and biases, 4- or 8-bit codes");
+  static constexpr int PARTS = HEAD_DIM / 32, WORDS = HEAD_DIM * BITS / 32;
+  using Codes = typename Raw<BITS>::type;       // a lane's 8 codes of a part
+  using Groups = typename Raw<2 * PARTS>::type;  // a slot's scales, or biases: one a part
+  struct Loaded {
+    Codes part[PARTS];
+    Groups scales, biases;
+  };
+  const uint32_t* codes;
+  const KS* scales;
+  const KS* biases;
+
+  __device__ void load(size_t slot, Loaded& out) const {
+    const int t = threadIdx.x % 4;
+    const unsigned char* row = reinterpret_cast<const unsigned char*>(codes + slot * WORDS);
+#pragma unroll
+    for (int e = 0; e < PARTS; ++e) {
+      out.part[e] = __ldcg(reinterpret_cast<const Codes*>(row + (32 * e + 8 * t) * BITS / 8));
+    }
+    out.scales = __ldcg(reinterpret_cast<const Groups*>(scales + slot * PARTS));
+    out.biases = __ldcg(reinterpret_cast<const Groups*>(biases + slot * PARTS));
+  }
+
+  __device__ static uint4 halves(const Loaded& in, int e) {
+    // Part e's scale (and bias) in both halves of a pair: bytes 2e and 2e + 1, twice.
+    const int both = 0x1010 + 0x2222 * e;
+    const __half2 scale = as_half2(__byte_perm(static_cast<uint32_t>(in.scales), 0, both));
+    const __half2 bias = as_half2(__byte_perm(static_cast<uint32_t>(in.biases), 0, both));
+    uint32_t pair[4];
+    if constexpr (BITS == 8) {
+      // Bytes 2m and 2m + 1 of the lane's codes, each under the byte 0x64.
+      const uint2 w = in.part[e];
+      pair[0] = __byte_perm(w.x, 0x64, 0x4140);
+      pair[1] = __byte_perm(w.x, 0x64, 0x4342);
+      pair[2] = __byte_perm(w.y, 0x64, 0x4140);
+      pair[3] = __byte_perm(w.y, 0x64, 0x4342);
+    } else {
+      const uint32_t w = in.part[e];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        pair[m] = (w >> (8 * m) & 0xFu) | (w >> (8 * m + 4) & 0xFu) << 16 | 0x64006400u;
+      }
+    }
+    const __half2 offset = as_half2(0x64006400u);
+    uint32_t out[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      out[m] = half2_bits(__hfma2(__hsub2(as_half2(pair[m]), offset), scale, bias));
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
+};
 
 // A 16-bit cache's slots of one KV head (keys and values [slots][HEAD_DIM]), as attention_run reads them.
 // With `rows` (this warp's staged keys), each lane copies its slot's key of the next chunk into its
@@ -548,6 +651,14 @@ struct PlainSlots {
   __device__ void add_value_biases(int, const float (&)[QH]) {}
   __device__ void rescale(int, float) {}
   __device__ void finish(float (&)[QH][per_lane]) {}
+
+  __device__ PlainTensorRows<HEAD_DIM, C> tensor_keys() const {
+    return {k};
+  }
+
+  __device__ PlainTensorRows<HEAD_DIM, C> tensor_values() const {
+    return {v};
+  }
 };
 
 // A lane's PER_LANE dims of a new key or value (x, consecutive dims from lane * PER_LANE), quantized
@@ -720,6 +831,14 @@ struct QuantizedSlots {
     }
     round_trip<KEY_BITS>(key);
     round_trip<VALUE_BITS>(value);
+  }
+
+  __device__ QuantizedTensorRows<HEAD_DIM, KEY_BITS, KS> tensor_keys() const {
+    return {k, k_scales, k_biases};
+  }
+
+  __device__ QuantizedTensorRows<HEAD_DIM, VALUE_BITS, KS> tensor_values() const {
+    return {v, v_scales, v_biases};
   }
 
   template <int BITS>
@@ -1053,14 +1172,15 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
   }
 }
 
-// One sequence's run over a plain cache on tensor cores (mma.sync m16n8k16: float16 operands,
+// One sequence's run over a plain cache, or one quantized in groups of 32 (KeyRows, ValueRows:
+// PlainTensorRows, QuantizedTensorRows), on tensor cores (mma.sync m16n8k16: float16 operands,
 // float32 sums), computing what attention_run computes: the warp's query heads are rows of A (rows
 // QH to 15 zero, their results unused) and 8 slots the columns of a product, so 32 slots are 16
 // products for their scores and 16 for their values, where attention_run has a lane score its slot
 // by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order
 // is free as long as both operands follow it: within each 32 dims, lane t of a quad holds dims 8t
 // .. 8t + 7 of a query and of a key (its first k step takes dims 8t .. 8t + 3, the second 8t + 4 ..
-// 8t + 7), so a key row is read 16 contiguous bytes a lane. Values are read the same way, as rows
+// 8t + 7), so a lane reads those dims of a key row together. Values are read the same way, as rows
 // of 8x8 matrices (slots by dims), and made B operands by movmatrix's transpose; the output's
 // columns follow, lane t of a quad ending with dims 8t .. 8t + 7 of each 32 of its head. Scores and
 // the online softmax stay in the products' accumulators; a head's largest score and sum take two
@@ -1068,8 +1188,10 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // each. The next step's keys are loaded once this step's are scored, its values once this step's
 // are added: one sequence at depth 8,192 decoded 1.13x as fast as with each step's rows loaded at
 // its start, though ptxas spills 120 bytes a thread for it (docs/benchmarks.md, "One sequence's
-// attention on tensor cores"). Heads of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows
-// would spill far more, and attention_run takes them. layer_kernel only: in batch_layer_kernel,
+// attention on tensor cores"); over an 8- or 4-bit cache one sequence at depth 8,192 decoded 1.18x
+// as fast as through attention_run, level with the plain cache ("Quantized caches on tensor
+// cores"). Heads of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows would spill far
+// more, and attention_run takes them. layer_kernel only: in batch_layer_kernel,
 // whose runs are longer and whose registers are fewer, it decoded slower than attention_run.
 __device__ inline uint32_t half_pair(float lo, float hi) {
   const __half2 pair = __floats2half2_rn(lo, hi);
@@ -1091,32 +1213,22 @@ __device__ inline void mma_rows_0_7(float& c0, float& c1, uint32_t a0, uint32_t 
       : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
-constexpr int TENSOR_RUNS_MAX_HEAD_DIM = 64;
-
-__host__ __device__ constexpr bool tensor_runs_take(int head_dim) {
-  return head_dim % 32 == 0 && head_dim <= TENSOR_RUNS_MAX_HEAD_DIM;
-}
-
 // A lane's row (lane / 4) of each of the 4 groups of 8 slots of a tensor_attention_run step from
-// `first`, its 16 bytes of each 32 dims; past the last slot the last one's, which a weight of 0
-// leaves out. Read from L2: other blocks wrote the newest slot in this launch.
-template <int HEAD_DIM, typename C>
-__device__ inline void step_rows(const C* cache, int first, int end, uint4 (&rows)[4][HEAD_DIM / 32]) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+// `first` (Rows::load); past the last slot the last one's, which a weight of 0 leaves out.
+template <typename Rows>
+__device__ inline void step_rows(const Rows& rows, int first, int end, typename Rows::Loaded (&loaded)[4]) {
+  const int g = threadIdx.x % 32 / 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const size_t slot = min(first + 8 * j + g, end - 1);
-#pragma unroll
-    for (int e = 0; e < HEAD_DIM / 32; ++e) {
-      rows[j][e] = __ldcg(reinterpret_cast<const uint4*>(cache + slot * HEAD_DIM + 32 * e + 8 * t));
-    }
+    rows.load(min(first + 8 * j + g, end - 1), loaded[j]);
   }
 }
 
-template <int HEAD_DIM, int QH, typename C>
-__device__ void tensor_attention_run(const float* q, const C* keys, const C* values, int begin, int end, float* out,
-                                     int out_stride, bool whole) {
-  static_assert(sizeof(C) == 2 && tensor_runs_take(HEAD_DIM) && QH <= 8, "float16 slots, 8 rows of A");
+template <int HEAD_DIM, int QH, typename KeyRows, typename ValueRows>
+__device__ void tensor_attention_run(const float* q, const KeyRows& keys, const ValueRows& values, int begin, int end,
+                                     float* out, int out_stride, bool whole) {
+  static_assert(KeyRows::PARTS * 32 == HEAD_DIM && ValueRows::PARTS * 32 == HEAD_DIM && tensor_runs_take(HEAD_DIM, 0)
+                && QH <= 8, "8 rows of A");
   constexpr int PARTS = HEAD_DIM / 32, SLOT_GROUPS = 4;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   uint32_t query[PARTS][4];
@@ -1136,9 +1248,10 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
       acc[e][m][0] = acc[e][m][1] = 0.0f;
     }
   }
-  uint4 key[SLOT_GROUPS][PARTS], value[SLOT_GROUPS][PARTS];
-  step_rows<HEAD_DIM>(keys, begin, end, key);
-  step_rows<HEAD_DIM>(values, begin, end, value);
+  typename KeyRows::Loaded key[SLOT_GROUPS];
+  typename ValueRows::Loaded value[SLOT_GROUPS];
+  step_rows(keys, begin, end, key);
+  step_rows(values, begin, end, value);
   for (int first = begin; first < end; first += 8 * SLOT_GROUPS) {
     const int next = first + 8 * SLOT_GROUPS;
     float score[SLOT_GROUPS][2], top = negative_infinity();
@@ -1147,8 +1260,9 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
       score[j][0] = score[j][1] = 0.0f;
 #pragma unroll
       for (int e = 0; e < PARTS; ++e) {
-        mma_rows_0_7(score[j][0], score[j][1], query[e][0], query[e][1], key[j][e].x, key[j][e].y);
-        mma_rows_0_7(score[j][0], score[j][1], query[e][2], query[e][3], key[j][e].z, key[j][e].w);
+        const uint4 k = KeyRows::halves(key[j], e);
+        mma_rows_0_7(score[j][0], score[j][1], query[e][0], query[e][1], k.x, k.y);
+        mma_rows_0_7(score[j][0], score[j][1], query[e][2], query[e][3], k.z, k.w);
       }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -1159,7 +1273,7 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
       }
     }
     if (next < end) {
-      step_rows<HEAD_DIM>(keys, next, end, key);
+      step_rows(keys, next, end, key);
     }
     top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
     top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
@@ -1184,7 +1298,7 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
       }
 #pragma unroll
       for (int s = 0; s < SLOT_GROUPS / 2; ++s) {
-        const uint4 low = value[2 * s][e], high = value[2 * s + 1][e];
+        const uint4 low = ValueRows::halves(value[2 * s], e), high = ValueRows::halves(value[2 * s + 1], e);
         const uint32_t lows[4] = {low.x, low.y, low.z, low.w}, highs[4] = {high.x, high.y, high.z, high.w};
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
@@ -1194,7 +1308,7 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
       }
     }
     if (next < end) {
-      step_rows<HEAD_DIM>(values, next, end, value);
+      step_rows(values, next, end, value);
     }
   }
   sum_exp += __shfl_xor_sync(0xffffffff, sum_exp, 1);
@@ -1218,6 +1332,36 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
   }
 }
 
+// A quantized cache's new slot as a run of its own, beside tensor_attention_run's over the cached
+// slots (attention_items): the slot's key and value as the cache stores them (QuantizedSlots::fresh,
+// which quantizes them from `fresh`), scored for the warp's QH queries. out as the runs write it:
+// the value itself where `whole` (the only slot), else the value at weight 1, its score the largest.
+template <int HEAD_DIM, int QH, typename Slots>
+__device__ void fresh_slot_run(const float* q, const Slots& slots, float* out, int out_stride, bool whole) {
+  constexpr int per_lane = HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
+  float key[per_lane], value[per_lane];
+  slots.fresh(key, value);
+#pragma unroll
+  for (int h = 0; h < QH; ++h) {
+    float score = 0.0f;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      score += q[h * HEAD_DIM + lane * per_lane + j] * key[j];
+    }
+    score = warp_sum(score);
+    float* head_out = out + h * out_stride;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {
+      head_out[lane * per_lane + j] = value[j];
+    }
+    if (!whole && lane == 0) {
+      head_out[HEAD_DIM] = score;
+      head_out[HEAD_DIM + 1] = 1.0f;
+    }
+  }
+}
+
 // Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
 // positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values
 // in `cache` (LayerCache: the new slot written, or for a quantized cache in `fresh`, stored here). A
@@ -1225,20 +1369,25 @@ __device__ void tensor_attention_run(const float* q, const C* keys, const C* val
 // of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a
 // (sequence, group, run) item. A group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM]
 // at once; otherwise the last min(QH, runs) warps done with a group's runs each wait for the others
-// and combine some of its heads. partials: [seqs][HEADS][MAX_RUNS][HEAD_DIM + 2]; runs_done: a count
+// and combine some of its heads. partials: [seqs][HEADS][runs a head][HEAD_DIM + 2]; runs_done: a count
 // for each sequence and group, zero before, made zero again by reset_runs_done after the next grid
 // barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
 // (all resident) wherever a group has more than one run. FEWER_HEADS: query_heads' `fewer`.
 // STAGED_KEYS: a plain cache's keys are staged in shared memory after the queries (PlainSlots), where
-// step.py found room for them (kernels.attention_floats). TENSOR_RUNS: a plain cache's runs are
-// tensor_attention_run's (layer_kernel, heads it takes), which stages nothing.
+// step.py found room for them (kernels.attention_floats). TENSOR_RUNS: the runs are
+// tensor_attention_run's (layer_kernel, caches it takes: tensor_runs_take), which stages nothing;
+// over a quantized cache the new slot is then a run of its own (fresh_slot_run), which a warp
+// quantizes while the others attend to the cached slots, not after the last run's, and partials
+// hold MAX_RUNS + 1 runs a head.
 template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, bool TENSOR_RUNS,
           typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
   constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
   constexpr int GROUPS = head_groups<HEADS, KV_HEADS, FEWER_HEADS>();
-  constexpr int stride = MAX_RUNS * (HEAD_DIM + 2), q_groups = Cache::groups;
+  constexpr bool FRESH_RUN = TENSOR_RUNS && Cache::quantized;
+  constexpr int RUN_ROWS = MAX_RUNS + FRESH_RUN;
+  constexpr int stride = RUN_ROWS * (HEAD_DIM + 2), q_groups = Cache::groups;
   cache.store_fresh(seqs, positions);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
   float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
@@ -1249,10 +1398,10 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
                threadIdx.x / 32 * 32 * staged_key_units<HEAD_DIM>();
   }
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
+  for (int item = warp; item < seqs * GROUPS * RUN_ROWS; item += warps) {
     const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
-    const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
-    const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
+    const int slots = positions[seq] + 1, cached = slots - FRESH_RUN, chunks = (cached + 31) / 32;
+    const int run = max(1, (chunks + MAX_RUNS - 1) / MAX_RUNS) * 32, runs = (cached + run - 1) / run + FRESH_RUN;
     if (r >= runs) {
       continue;
     }
@@ -1262,7 +1411,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
       q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
     }
     __syncwarp();
-    if (Cache::quantized && lane < QH * q_groups) {
+    if (Cache::quantized && !TENSOR_RUNS && lane < QH * q_groups) {
       float sum = 0.0f;
       for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
         sum += q_scaled[lane * (HEAD_DIM / q_groups) + d];
@@ -1271,15 +1420,28 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     }
     __syncwarp();
     const auto head_slots = cache.template slots<QH>(seq, kv_head, key_rows);
-    const int end = min(r * run + run, slots);
+    const int end = min(r * run + run, cached);
     float* group_partials = partials + static_cast<size_t>(seq_head) * stride;
-    if constexpr (!Cache::quantized && TENSOR_RUNS) {
+    if constexpr (FRESH_RUN) {
+      const bool whole = runs == 1;
+      float* out = whole ? attn + seq_head * HEAD_DIM : group_partials + r * (HEAD_DIM + 2);
+      const int out_stride = whole ? HEAD_DIM : stride;
+      if (r == runs - 1) {
+        fresh_slot_run<HEAD_DIM, QH>(q_scaled, head_slots, out, out_stride, whole);
+      } else {
+        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), r * run, end,
+                                           out, out_stride, false);
+      }
+      if (whole) {
+        continue;
+      }
+    } else if constexpr (TENSOR_RUNS) {
       if (runs == 1) {
-        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, 0, slots,
+        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), 0, slots,
                                            attn + seq_head * HEAD_DIM, HEAD_DIM, true);
         continue;
       }
-      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.k, head_slots.v, r * run, end,
+      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), r * run, end,
                                          group_partials + r * (HEAD_DIM + 2), stride, false);
     } else {
       if (runs == 1) {
@@ -1325,7 +1487,8 @@ __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
-// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2], attn,
+// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS (+ 1 for a quantized cache's
+// new slot, attention_items' FRESH_RUN)][HEAD_DIM + 2], attn,
 // h, gate, up and a quantized cache's fresh key and value [2][KV_HEADS * HEAD_DIM] (float32 each). It and `sync` are inputs that the kernel writes: step.py
 // allocates them once for all layers, since every output costs MLX an allocation a launch.
 // `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head group,
@@ -1347,7 +1510,9 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
                              const float* scratch, float* y) {
   float* q = const_cast<float*>(scratch);
   float* partials = q + HEADS * HEAD_DIM;
-  float* attn = partials + HEADS * MAX_RUNS * (HEAD_DIM + 2);
+  constexpr bool TENSOR_RUNS = tensor_runs_take(HEAD_DIM, KV_GROUP);
+  constexpr bool FEWER_HEADS = KEY_BITS > 0 && !TENSOR_RUNS;
+  float* attn = partials + HEADS * (MAX_RUNS + (TENSOR_RUNS && KEY_BITS > 0)) * (HEAD_DIM + 2);
   float* h = attn + HEADS * HEAD_DIM;
   float* gate = h + HIDDEN;
   float* up = gate + FFN;
@@ -1366,10 +1531,10 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, (KEY_BITS > 0), STAGED_KEYS, tensor_runs_take(HEAD_DIM)>(
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, FEWER_HEADS, STAGED_KEYS, TENSOR_RUNS>(
       1, position, q, partials, attn, cache, runs_done, smem);
   grid_barrier(arrivals);
-  reset_runs_done<HEADS, KV_HEADS, (KEY_BITS > 0)>(1, runs_done);
+  reset_runs_done<HEADS, KV_HEADS, FEWER_HEADS>(1, runs_done);
 
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
   for (int row = warp; row < HIDDEN; row += warps) {

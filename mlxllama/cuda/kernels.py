@@ -49,8 +49,8 @@ HEAD_THREADS = _constant(_STEP_SOURCE, "THREADS")  # a block of head_kernel
 LAYER_THREADS = _constant(_STEP_SOURCE, "LAYER_THREADS")  # a block of layer_kernel and batch_layer_kernel
 SEQ_TILE = _constant(_BATCH_SOURCE, "SEQ_TILE")  # sequences of one tensor-core product
 MAX_QUERY_HEADS = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS")  # query heads an attention warp takes at most
-MAX_QUERY_HEADS_QUANTIZED = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS_QUANTIZED")  # the same over a quantized cache
-# Heads layer_kernel attends on tensor cores over a plain cache (decode_step.cu's tensor_attention_run).
+MAX_QUERY_HEADS_QUANTIZED = _constant(_STEP_SOURCE, "MAX_QUERY_HEADS_QUANTIZED")  # off tensor cores, quantized
+# Heads layer_kernel attends on tensor cores (decode_step.cu's tensor_attention_run).
 TENSOR_RUNS_MAX_HEAD_DIM = _constant(_STEP_SOURCE, "TENSOR_RUNS_MAX_HEAD_DIM")
 # Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
 MAX_BATCH = 2 * SEQ_TILE
@@ -130,24 +130,35 @@ def staged_floats(k: int) -> int:
     return k // GROUP * GROUP_STRIDE + k // GROUP + GROUP + 1
 
 
-def query_heads(c: ModelConfig, quantized: bool = False) -> int:
+# kv_group, below: the group size of the cache that layer_kernel attends over, 0 for a plain cache
+# (and for batch_layer_kernel, whose attention is the same over every cache).
+
+def tensor_runs(c: ModelConfig, kv_group: int = 0) -> bool:
+    """decode_step.cu's tensor_runs_take: whether layer_kernel attends on tensor cores, which read
+    keys straight into registers (no keys staged in shared memory), over a plain cache or one
+    quantized in groups of 32."""
+    return c.head_dim % 32 == 0 and c.head_dim <= TENSOR_RUNS_MAX_HEAD_DIM and kv_group in (0, 32)
+
+
+def fresh_run(c: ModelConfig, kv_group: int) -> bool:
+    """decode_step.cu's FRESH_RUN: whether a quantized cache's new slot is a run of its own."""
+    return kv_group > 0 and tensor_runs(c, kv_group)
+
+
+def query_heads(c: ModelConfig, kv_group: int = 0) -> int:
     """decode_step.cu's query_heads: the query heads of one KV head that an attention warp takes at
-    once (`quantized`: in layer_kernel over a quantized cache)."""
+    once; fewer (MAX_QUERY_HEADS_QUANTIZED) in layer_kernel over a quantized cache that
+    attention_run reads (FEWER_HEADS), not one on tensor cores."""
+    fewer = kv_group > 0 and not tensor_runs(c, kv_group)
     per_kv_head, n = c.n_heads // c.n_kv_heads, 1
-    while n < (MAX_QUERY_HEADS_QUANTIZED if quantized else MAX_QUERY_HEADS) and per_kv_head % (2 * n) == 0:
+    while n < (MAX_QUERY_HEADS_QUANTIZED if fewer else MAX_QUERY_HEADS) and per_kv_head % (2 * n) == 0:
         n *= 2
     return n
 
 
-def tensor_runs(c: ModelConfig) -> bool:
-    """decode_step.cu's tensor_runs_take: whether layer_kernel attends over a plain cache on tensor
-    cores, which read keys straight into registers (no keys staged in shared memory)."""
-    return c.head_dim % 32 == 0 and c.head_dim <= TENSOR_RUNS_MAX_HEAD_DIM
-
-
-def head_groups(c: ModelConfig, quantized: bool = False) -> int:
+def head_groups(c: ModelConfig, kv_group: int = 0) -> int:
     """decode_step.cu's head_groups: the groups of query_heads heads that a layer's attention is cut into."""
-    return c.n_heads // query_heads(c, quantized)
+    return c.n_heads // query_heads(c, kv_group)
 
 
 def staged_key_floats(head_dim: int) -> int:
@@ -194,19 +205,21 @@ def batch_shared_floats(c: ModelConfig, tiles: int, staged_keys: bool) -> int:
     return 2 * LAYER_THREADS * tiles * 4 + max(staged, attention_floats(c, staged_keys))
 
 
-def max_runs(blocks: int, c: ModelConfig, seqs: int = 1, quantized: bool = False) -> int:
+def max_runs(blocks: int, c: ModelConfig, seqs: int = 1, kv_group: int = 0) -> int:
     """Runs of slots a head group's attention may be cut into (up to RUNS_LIMIT): few enough that
     every (sequence, head group, run) item of `seqs` sequences has a warp of its own, as
-    attention_items needs where a group has several runs. `quantized` (layer_kernel over a quantized
-    cache): its smaller groups are more of them, so never more runs than a plain cache's, and the
-    scratch sized for those holds these."""
-    return min(RUNS_LIMIT, max(1, blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c, quantized))))
+    attention_items needs where a group has several runs. Over a quantized cache (kv_group) a
+    group's items may be more (a new slot's run: fresh_run) and its groups smaller (query_heads), so
+    never more runs than a plain cache's: the scratch sized for those holds these."""
+    per_group = blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c, kv_group))
+    return min(RUNS_LIMIT, max(1, per_group - fresh_run(c, kv_group)))
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:
-    """layer_kernel's scratch input: q, partials, attn, h, gate, up, and a quantized cache's fresh key and value."""
+    """layer_kernel's scratch input for a plain cache's `runs` (max_runs): q, partials (a run more a
+    head, for a quantized cache's new slot), attn, h, gate, up, and a quantized cache's fresh key and value."""
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    return 2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size + 2 * kv_dim
+    return 2 * q_dim + c.n_heads * (runs + 1) * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size + 2 * kv_dim
 
 
 def batch_scratch_floats(c: ModelConfig, tiles: int, runs: int) -> int:

@@ -102,7 +102,7 @@ class KernelStep:
                         and 4 * kernels.batch_shared_floats(c, tiles, self.batch_staged_keys) <= shared_bytes)
         self._batch_scratch: dict[int, mx.array] = {}
         # Sized by a plain cache's runs of slots a head group (kernels.max_runs), which a quantized
-        # cache's smaller head groups never exceed.
+        # cache's runs never exceed, and one more for its new slot's.
         self.scratch = _on_device(mx.zeros((kernels.layer_scratch_floats(c, kernels.max_runs(blocks, c)),),
                                            mx.float32))
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -230,9 +230,9 @@ class KernelStep:
         The layers' launches share `self.sync` (the barrier's count) and `self.scratch` (what the
         kernel's steps hand on) and never overlap: each takes the previous one's output.
         """
-        runs = kernels.max_runs(self.blocks, self.config, quantized=_quantized(cache))
-        template = self._layer_template(layer, cache) + [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", runs),
-                                                         ("STAGED_KEYS", self.staged_keys)]
+        template = self._layer_template(layer, cache)
+        runs = kernels.max_runs(self.blocks, self.config, kv_group=dict(template)["KV_GROUP"])
+        template += [("FFN_ROWS", kernels.FFN_ROWS), ("MAX_RUNS", runs), ("STAGED_KEYS", self.staged_keys)]
         inputs = self._layer_inputs(layer, x=x, position=position, scratch=self.scratch, **cache)
         return self._launch_layer("layer_kernel", kernels.LAYER_PARAMETERS, template, inputs,
                                   kernels.layer_shared_floats(self.config, self.staged_keys), batch=False)

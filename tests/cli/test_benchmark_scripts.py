@@ -45,8 +45,9 @@ def test_attention_stamps_mark_each_phase_of_an_attention_item_in_order():
     assert "bool whole, int sb = -1) {" in tensor_run
     combine = stamped.split("__device__ void combine_runs(")[1].split("__device__")[0]
     assert [int(i) for i in re.findall(r"ASTAMP\(sb, (\d+)\)", combine)] == [14, 15]  # largest score, runs summed
-    # Both calls of tensor_attention_run and of attention_run, and combine_runs', pass the item's stamps on.
-    assert items.count(", sb);") == 5
+    # The calls of tensor_attention_run (a quantized cache's, then a plain one's two) and of
+    # attention_run, and combine_runs', pass the item's stamps on.
+    assert items.count(", sb);") == 6
     assert "unsigned long long* att) {" in stamped
 
 
@@ -54,8 +55,8 @@ def test_attention_stamps_twice_makes_each_run_and_combining_twice_stamping_the_
     stamped = run_script("benchmarks/attention_stamps.py", "--header-only", "--twice")
     items = stamped.split("__device__ void attention_items(")[1].split("__device__ void reset_runs_done(")[0]
     calls = re.findall(r"(tensor_attention_run|attention_run)<HEAD_DIM, QH>\(.*?, (-1|sb)\);", items, re.S)
-    # Each call (two on tensor cores, then attention_run's two) first unstamped, then stamped.
-    assert calls == [(run, stamp) for run in ["tensor_attention_run"] * 2 + ["attention_run"] * 2
+    # Each call (three on tensor cores, then attention_run's two) first unstamped, then stamped.
+    assert calls == [(run, stamp) for run in ["tensor_attention_run"] * 3 + ["attention_run"] * 2
                      for stamp in ("-1", "sb")]
     combining = items.split("for (int h = rank; h < QH; h += combiners) {")[1].split("\n    }\n")[0]
     assert combining.count("combine_runs<HEAD_DIM>(") == 2 and "ASTAMP(sb, 11);" in combining

@@ -127,11 +127,14 @@ def test_kernel_step_with_two_head_groups_a_kv_head(tinyllama):
 
 
 @on_cuda
-@pytest.mark.parametrize("length", [70, 300])
+@pytest.mark.parametrize("length", [1, 70, 300])
 def test_kernel_step_over_a_quantized_cache(length):
-    """chat-tiny with 8-bit keys and values (heads of 32: one group a head), attention in one run
-    and in many, the new slot quantized by the kernel (fed to attention and stored as mx.quantize would)."""
+    """chat-tiny with 8-bit keys and values (heads of 32: one group a head), on tensor cores: the new
+    slot quantized by the kernel (fed to attention and stored as mx.quantize would) as a run of its
+    own, beside runs over the cached slots from one slot of one (the first steps: the kernels take a
+    quantized cache once it holds a slot) to many."""
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=KVQuantization(8))
+    assert kernels.tensor_runs(runtime.config, kv_group=32)
     ids = np.random.default_rng(2).integers(3, runtime.config.vocab_size, length).tolist()
     assert_steps_match(runtime.model, runtime.model.decode_step, ids)
 
@@ -140,9 +143,9 @@ def test_kernel_step_over_a_quantized_cache(length):
 @pytest.mark.parametrize("bits,key_bits", [(8, None), (4, None), (4, 8)])
 def test_kernel_step_over_a_quantized_cache_of_two_groups_a_head(tinyllama, bits, key_bits):
     """TinyLlama's layout at 2,000 slots with keys and values quantized in groups of 32 (two a
-    head): 8-bit, 4-bit, and 8-bit keys with 4-bit values (--kv-key-bits). Its attention warps take
-    2 query heads each here (4 over a plain cache)."""
-    assert kernels.query_heads(tinyllama.config, quantized=True) == 2
+    head): 8-bit, 4-bit, and 8-bit keys with 4-bit values (--kv-key-bits), on tensor cores, 4 query
+    heads a warp as over a plain cache."""
+    assert kernels.tensor_runs(tinyllama.config, kv_group=32) and kernels.query_heads(tinyllama.config, 32) == 4
     model = tinyllama.model
     model.store_kv_quantized(KVQuantization(bits, key_bits=key_bits))
     try:
@@ -455,30 +458,36 @@ def chat_tiny_config():
     (32, 4, 4, 2), (32, 8, 4, 2), (32, 16, 2, 2), (32, 32, 1, 1), (14, 2, 1, 1), (12, 2, 2, 2), (8, 2, 4, 2)])
 def test_attention_warps_take_the_query_heads_of_one_kv_head(chat_tiny_config, heads, kv_heads, expected,
                                                              over_quantized):
-    """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS
-    (MAX_QUERY_HEADS_QUANTIZED over a quantized cache)."""
+    """As many as the largest power of two dividing the heads a KV head serves, up to MAX_QUERY_HEADS;
+    up to MAX_QUERY_HEADS_QUANTIZED over a quantized cache that attention_run reads (heads wider than
+    tensor runs take, or groups other than 32), as many as over a plain cache on tensor cores."""
     config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
+    wide = replace(config, head_dim=128)
     assert (kernels.MAX_QUERY_HEADS, kernels.MAX_QUERY_HEADS_QUANTIZED) == (4, 2)
-    assert kernels.query_heads(config) == expected
-    assert kernels.query_heads(config, quantized=True) == over_quantized
-    assert kernels.head_groups(config, quantized=True) == heads // over_quantized
+    assert kernels.query_heads(config) == kernels.query_heads(config, kv_group=32) == expected
+    assert kernels.query_heads(wide, kv_group=32) == kernels.query_heads(config, kv_group=64) == over_quantized
+    assert kernels.head_groups(wide, kv_group=32) == heads // over_quantized
 
 
 @pytest.mark.parametrize("blocks", [3, 16, 132])
 @pytest.mark.parametrize("seqs", [1, 8, 16])
 def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat_tiny_config, blocks, seqs):
-    """attention_items' combining warps wait for the group's other runs: with more than one run a
-    group, every (sequence, group, run) item must have a warp of its own, or a warp could wait for
-    an item it would take itself later."""
-    for (heads, kv_heads), quantized in product([(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)], [False, True]):
+    """attention_items' combining warps wait for the group's other runs: where a group's runs (with
+    a quantized cache's new slot's, fresh_run) are more than one and so are its combining warps, every
+    (sequence, group, run) item must have a warp of its own, or a warp could wait for an item it
+    would take itself later. A quantized cache is layer_kernel's, one sequence's: in groups of 32
+    (tensor runs for heads of 32) or of 64 (attention_run's, fewer query heads a warp)."""
+    caches = [0] if seqs > 1 else [0, 32, 64]
+    for (heads, kv_heads), kv_group in product([(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)], caches):
         config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
-        runs = kernels.max_runs(blocks, config, seqs, quantized)
+        runs = kernels.max_runs(blocks, config, seqs, kv_group)
         assert 1 <= runs <= kernels.RUNS_LIMIT
-        # The layer's scratch, sized by a plain cache's runs, holds a quantized cache's partials.
-        assert runs <= kernels.max_runs(blocks, config, seqs)
-        if runs > 1:
-            groups = heads // kernels.query_heads(config, quantized)
-            assert seqs * groups * runs <= blocks * kernels.LAYER_THREADS // 32
+        items = runs + kernels.fresh_run(config, kv_group)
+        # The layer's scratch, sized by a plain cache's runs and one more, holds a quantized cache's partials.
+        assert items <= kernels.max_runs(blocks, config, seqs) + 1
+        if min(items, kernels.query_heads(config, kv_group)) > 1:
+            groups = kernels.head_groups(config, kv_group)
+            assert seqs * groups * items <= blocks * kernels.LAYER_THREADS // 32
 
 
 @pytest.mark.parametrize("head_dim,bits,takes", [(32, 8, True), (32, 4, False), (64, 4, True), (64, 8, True),
