@@ -855,6 +855,20 @@ struct QuantizedSlots {
   }
 };
 
+// A query's score of the new slot's key (QuantizedSlots::fresh: the lane's HEAD_DIM / 32 dims of
+// it), summed across the warp: every lane gets it.
+template <int HEAD_DIM>
+__device__ inline float fresh_score(const float* query, const float (&key)[HEAD_DIM / 32]) {
+  constexpr int per_lane = HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
+  float score = 0.0f;
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    score += query[lane * per_lane + j] * key[j];
+  }
+  return warp_sum(score);
+}
+
 // One warp's attention of QH queries (q: QH * HEAD_DIM scaled values in shared memory, q_sums their
 // group sums for a quantized cache) over the slots [begin, end) of their KV head: an online softmax
 // over chunks of 32 slots, each lane scoring one slot of a chunk for every query. Where `fresh_last`,
@@ -938,12 +952,7 @@ __device__ void attention_run(const float* q, const float* q_sums, Slots slots, 
       slots.fresh(key, value);
 #pragma unroll
       for (int h = 0; h < QH; ++h) {
-        float score = 0.0f;
-#pragma unroll
-        for (int j = 0; j < per_lane; ++j) {
-          score += q[h * HEAD_DIM + lane * per_lane + j] * key[j];
-        }
-        score = warp_sum(score);
+        const float score = fresh_score<HEAD_DIM>(q + h * HEAD_DIM, key);
         const float new_max = fmaxf(running_max[h], score);
         const float correction = expf(running_max[h] - new_max), p = expf(score - new_max);
         sum_exp[h] = sum_exp[h] * correction + p;
@@ -1344,12 +1353,7 @@ __device__ void fresh_slot_run(const float* q, const Slots& slots, float* out, i
   slots.fresh(key, value);
 #pragma unroll
   for (int h = 0; h < QH; ++h) {
-    float score = 0.0f;
-#pragma unroll
-    for (int j = 0; j < per_lane; ++j) {
-      score += q[h * HEAD_DIM + lane * per_lane + j] * key[j];
-    }
-    score = warp_sum(score);
+    const float score = fresh_score<HEAD_DIM>(q + h * HEAD_DIM, key);
     float* head_out = out + h * out_stride;
 #pragma unroll
     for (int j = 0; j < per_lane; ++j) {
