@@ -1366,6 +1366,12 @@ __device__ void fresh_slot_run(const float* q, const Slots& slots, float* out, i
   }
 }
 
+// Whether a quantized cache's new slot is a run of its own (fresh_slot_run), as over one on tensor
+// cores; partials then hold one run more a head (attention_items, layer_kernel's scratch).
+__host__ __device__ constexpr bool fresh_run(bool tensor_runs, bool quantized) {
+  return tensor_runs && quantized;
+}
+
 // Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
 // positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values
 // in `cache` (LayerCache: the new slot written, or for a quantized cache in `fresh`, stored here). A
@@ -1389,7 +1395,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
   constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
   constexpr int GROUPS = head_groups<HEADS, KV_HEADS, FEWER_HEADS>();
-  constexpr bool FRESH_RUN = TENSOR_RUNS && Cache::quantized;
+  constexpr bool FRESH_RUN = fresh_run(TENSOR_RUNS, Cache::quantized);
   constexpr int RUN_ROWS = MAX_RUNS + FRESH_RUN;
   constexpr int stride = RUN_ROWS * (HEAD_DIM + 2), q_groups = Cache::groups;
   cache.store_fresh(seqs, positions);
@@ -1492,7 +1498,7 @@ __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
 // `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS (+ 1 for a quantized cache's
-// new slot, attention_items' FRESH_RUN)][HEAD_DIM + 2], attn,
+// new slot, fresh_run)][HEAD_DIM + 2], attn,
 // h, gate, up and a quantized cache's fresh key and value [2][KV_HEADS * HEAD_DIM] (float32 each). It and `sync` are inputs that the kernel writes: step.py
 // allocates them once for all layers, since every output costs MLX an allocation a launch.
 // `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head group,
@@ -1516,7 +1522,7 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   float* partials = q + HEADS * HEAD_DIM;
   constexpr bool TENSOR_RUNS = tensor_runs_take(HEAD_DIM, KV_GROUP);
   constexpr bool FEWER_HEADS = KEY_BITS > 0 && !TENSOR_RUNS;
-  float* attn = partials + HEADS * (MAX_RUNS + (TENSOR_RUNS && KEY_BITS > 0)) * (HEAD_DIM + 2);
+  float* attn = partials + HEADS * (MAX_RUNS + fresh_run(TENSOR_RUNS, KEY_BITS > 0)) * (HEAD_DIM + 2);
   float* h = attn + HEADS * HEAD_DIM;
   float* gate = h + HIDDEN;
   float* up = gate + FFN;

@@ -141,7 +141,7 @@ def tensor_runs(c: ModelConfig, kv_group: int = 0) -> bool:
 
 
 def fresh_run(c: ModelConfig, kv_group: int) -> bool:
-    """decode_step.cu's FRESH_RUN: whether a quantized cache's new slot is a run of its own."""
+    """decode_step.cu's fresh_run: whether a quantized cache's new slot is a run of its own."""
     return kv_group > 0 and tensor_runs(c, kv_group)
 
 
