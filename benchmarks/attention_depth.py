@@ -4,9 +4,10 @@
         [--query-heads 8,4] [--runs-limits 64,128] [--staged-keys 1,0] [--sources shipped,VARIANT.cu]
         [--kv-bits 0,8,4] [--rounds 1] [-n 128] [-r 2] [--json OUT.jsonl]
 
-Each variant is one setting of what shapes attention_items (mlxllama/cuda): the query heads a warp
-takes at once (decode_step.cu's MAX_QUERY_HEADS, patched into the kernels' source), the runs a
-head group's slots may be cut into (kernels.RUNS_LIMIT), whether a plain cache's keys are staged
+Each variant is one setting of what shapes attention (mlxllama/cuda; team_attention for one sequence,
+attention_items for several): the query heads a warp takes at once (decode_step.cu's MAX_QUERY_HEADS,
+patched into the kernels' source), the runs a head group's slots may be cut into (kernels.RUNS_LIMIT;
+for one sequence, the most teams a group takes, which a block a group bounds first), whether a plain cache's keys are staged
 in shared memory (KernelStep.stage_keys) and the decode_step.cu the kernels are built from
 ("shipped", or a variant's file under study, e.g. the shipped file with a patch applied: `patch -o
 VARIANT.cu mlxllama/cuda/decode_step.cu < P.patch`); every combination of the values given, the

@@ -367,7 +367,7 @@ __device__ void batch_layer_kernel(const float* x, int seqs, const int32_t* cach
   grid_barrier(arrivals);
 
   // 2. Attention, each sequence over its own length.
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, false, STAGED_KEYS, false>(
+  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, STAGED_KEYS>(
       seqs, positions, q, partials, attn, cache, runs_done, reinterpret_cast<float*>(xs));
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, false>(seqs, runs_done);

@@ -980,6 +980,29 @@ __device__ void attention_run(const float* q, const float* q_sums, Slots slots, 
   }
 }
 
+// Bytes a warp asks L2 for at once (LayerCache::prefetch).
+constexpr int PREFETCH_BYTES = 32768;
+
+// Chunk `chunk` of PREFETCH_BYTES of the bytes [start, start + bytes), in whole 16-byte units, asked of
+// L2 by one bulk prefetch (sm_90 on: one instruction and no register for it; before, a prefetch a
+// 128-byte line), or nothing past the end.
+__device__ inline void prefetch_l2(const char* start, size_t bytes, int chunk) {
+  const size_t at = reinterpret_cast<size_t>(start), aligned = at & ~static_cast<size_t>(15);
+  const size_t total = (bytes + at - aligned + 15) & ~static_cast<size_t>(15);
+  const size_t offset = static_cast<size_t>(chunk) * PREFETCH_BYTES;
+  if (offset >= total) {
+    return;
+  }
+  const unsigned size = static_cast<unsigned>(min(total - offset, static_cast<size_t>(PREFETCH_BYTES)));
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(aligned + offset), "r"(size) : "memory");
+#else
+  for (unsigned line = 0; line < size; line += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(aligned + offset + line));
+  }
+#endif
+}
+
 // A layer's cache as the layer kernels read and write it, for `seqs` sequences:
 // - plain (KEY_BITS 0): 16-bit keys and values [seqs][KV_HEADS][capacity][HEAD_DIM]; step 1 writes
 //   the new slot in place and attention reads it there after the barrier;
@@ -1027,6 +1050,41 @@ struct LayerCache {
       const size_t slot = (head_row(seq, head) + pos) * HEAD_DIM;
       cache[slot + d0] = static_cast<C>(y0);
       cache[slot + d1] = static_cast<C>(y1);
+    }
+  }
+
+  // Asks L2 for a sequence's cached slots [0, slots) of every KV head (keys and values; a quantized
+  // cache's words, scales and biases), a chunk of PREFETCH_BYTES a warp, from the launch's last warps
+  // on: issued at the start of layer_kernel, the reads overlap step 1, whose weights leave HBM idle
+  // most of the time, and attention then finds the slots in L2.
+  __device__ void prefetch(int seq, int slots) const {
+    constexpr int PARTS = quantized ? 6 : 2;
+    const size_t row = head_row(seq, 0);
+    const int widest = slots * HEAD_DIM * (quantized ? max(KEY_BITS, VALUE_BITS) / 8 : static_cast<int>(sizeof(C)));
+    const int chunks = (widest + PREFETCH_BYTES - 1) / PREFETCH_BYTES;
+    if (threadIdx.x % 32 != 0) {
+      return;
+    }
+    for (int item = grid_warps() - 1 - grid_warp(); item < KV_HEADS * PARTS * chunks; item += grid_warps()) {
+      const int chunk = item % chunks, part = item / chunks % PARTS, kv_head = item / (chunks * PARTS);
+      const size_t first = row + static_cast<size_t>(kv_head) * capacity;
+      const char* start;
+      size_t bytes;
+      if constexpr (quantized) {
+        const int bits = part % 2 == 0 ? KEY_BITS : VALUE_BITS;
+        if (part < 2) {
+          start = reinterpret_cast<const char*>((part == 0 ? keys : values) + first * (HEAD_DIM * bits / 32));
+          bytes = static_cast<size_t>(slots) * HEAD_DIM * bits / 8;
+        } else {
+          const KS* table[4] = {key_scales, value_scales, key_biases, value_biases};
+          start = reinterpret_cast<const char*>(table[part - 2] + first * groups);
+          bytes = static_cast<size_t>(slots) * groups * sizeof(KS);
+        }
+      } else {
+        start = reinterpret_cast<const char*>((part == 0 ? keys : values) + first * HEAD_DIM);
+        bytes = static_cast<size_t>(slots) * HEAD_DIM * sizeof(C);
+      }
+      prefetch_l2(start, bytes, chunk);
     }
   }
 
@@ -1372,32 +1430,25 @@ __host__ __device__ constexpr bool fresh_run(bool tensor_runs, bool quantized) {
   return tensor_runs && quantized;
 }
 
-// Step 2 of layer_kernel and batch_layer_kernel: attention of `seqs` sequences, sequence s at
-// positions[s] with its query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values
-// in `cache` (LayerCache: the new slot written, or for a quantized cache in `fresh`, stored here). A
-// head group is the QH query heads a warp takes (query_heads). Each group's slots are cut into runs
-// of whole chunks of 32 slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a
-// (sequence, group, run) item. A group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM]
-// at once; otherwise the last min(QH, runs) warps done with a group's runs each wait for the others
-// and combine some of its heads. partials: [seqs][HEADS][runs a head][HEAD_DIM + 2]; runs_done: a count
-// for each sequence and group, zero before, made zero again by reset_runs_done after the next grid
-// barrier. Waiting is safe because step.py sizes MAX_RUNS so that every item has a warp of its own
-// (all resident) wherever a group has more than one run. FEWER_HEADS: query_heads' `fewer`.
-// STAGED_KEYS: a plain cache's keys are staged in shared memory after the queries (PlainSlots), where
-// step.py found room for them (kernels.attention_floats). TENSOR_RUNS: the runs are
-// tensor_attention_run's (layer_kernel, caches it takes: tensor_runs_take), which stages nothing;
-// over a quantized cache the new slot is then a run of its own (fresh_slot_run), which a warp
-// quantizes while the others attend to the cached slots, not after the last run's, and partials
-// hold MAX_RUNS + 1 runs a head.
-template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, bool TENSOR_RUNS,
-          typename Cache>
+// Step 2 of batch_layer_kernel: attention of `seqs` sequences, sequence s at positions[s] with its
+// query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values in `cache` (LayerCache:
+// the new slot written, or for a quantized cache in `fresh`, stored here). A head group is the QH
+// query heads a warp takes (query_heads). Each group's slots are cut into runs of whole chunks of 32
+// slots, as few chunks a run as MAX_RUNS runs allow; a warp takes a (sequence, group, run) item. A
+// group of one run writes its outputs to attn [seqs][HEADS * HEAD_DIM] at once; otherwise the last
+// min(QH, runs) warps done with a group's runs each wait for the others and combine some of its heads.
+// partials: [seqs][HEADS][runs a head][HEAD_DIM + 2]; runs_done: a count for each sequence and group,
+// zero before, made zero again by reset_runs_done after the next grid barrier. Waiting is safe because
+// step.py sizes MAX_RUNS so that every item has a warp of its own (all resident) wherever a group has
+// more than one run. STAGED_KEYS: a plain cache's keys are staged in shared memory after the queries
+// (PlainSlots), where step.py found room for them (kernels.attention_floats). (One sequence's
+// attention, layer_kernel's, is team_attention's, below.)
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool STAGED_KEYS, typename Cache>
 __device__ void attention_items(int seqs, const int32_t* positions, const float* q, float* partials, float* attn,
                                 const Cache& cache, unsigned int* runs_done, float* smem) {
-  constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
-  constexpr int GROUPS = head_groups<HEADS, KV_HEADS, FEWER_HEADS>();
-  constexpr bool FRESH_RUN = fresh_run(TENSOR_RUNS, Cache::quantized);
-  constexpr int RUN_ROWS = MAX_RUNS + FRESH_RUN;
-  constexpr int stride = RUN_ROWS * (HEAD_DIM + 2), q_groups = Cache::groups;
+  constexpr int QH = query_heads(HEADS / KV_HEADS, false);
+  constexpr int GROUPS = head_groups<HEADS, KV_HEADS, false>();
+  constexpr int stride = MAX_RUNS * (HEAD_DIM + 2), q_groups = Cache::groups;
   cache.store_fresh(seqs, positions);
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
   float* q_scaled = smem + threadIdx.x / 32 * QH * HEAD_DIM;
@@ -1408,10 +1459,10 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
                threadIdx.x / 32 * 32 * staged_key_units<HEAD_DIM>();
   }
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  for (int item = warp; item < seqs * GROUPS * RUN_ROWS; item += warps) {
+  for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
     const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
-    const int slots = positions[seq] + 1, cached = slots - FRESH_RUN, chunks = (cached + 31) / 32;
-    const int run = max(1, (chunks + MAX_RUNS - 1) / MAX_RUNS) * 32, runs = (cached + run - 1) / run + FRESH_RUN;
+    const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
+    const int run = max(1, (chunks + MAX_RUNS - 1) / MAX_RUNS) * 32, runs = (slots + run - 1) / run;
     if (r >= runs) {
       continue;
     }
@@ -1421,7 +1472,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
       q_scaled[d] = load_fresh(q + seq_head * HEAD_DIM + d) * scale;
     }
     __syncwarp();
-    if (Cache::quantized && !TENSOR_RUNS && lane < QH * q_groups) {
+    if (Cache::quantized && lane < QH * q_groups) {
       float sum = 0.0f;
       for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
         sum += q_scaled[lane * (HEAD_DIM / q_groups) + d];
@@ -1430,38 +1481,15 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     }
     __syncwarp();
     const auto head_slots = cache.template slots<QH>(seq, kv_head, key_rows);
-    const int end = min(r * run + run, cached);
+    const int end = min(r * run + run, slots);
     float* group_partials = partials + static_cast<size_t>(seq_head) * stride;
-    if constexpr (FRESH_RUN) {
-      const bool whole = runs == 1;
-      float* out = whole ? attn + seq_head * HEAD_DIM : group_partials + r * (HEAD_DIM + 2);
-      const int out_stride = whole ? HEAD_DIM : stride;
-      if (r == runs - 1) {
-        fresh_slot_run<HEAD_DIM, QH>(q_scaled, head_slots, out, out_stride, whole);
-      } else {
-        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), r * run, end,
-                                           out, out_stride, false);
-      }
-      if (whole) {
-        continue;
-      }
-    } else if constexpr (TENSOR_RUNS) {
-      if (runs == 1) {
-        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), 0, slots,
-                                           attn + seq_head * HEAD_DIM, HEAD_DIM, true);
-        continue;
-      }
-      tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), r * run, end,
-                                         group_partials + r * (HEAD_DIM + 2), stride, false);
-    } else {
-      if (runs == 1) {
-        attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
-                                    attn + seq_head * HEAD_DIM, HEAD_DIM, true);
-        continue;
-      }
-      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end, Cache::quantized && end == slots,
-                                  group_partials + r * (HEAD_DIM + 2), stride, false);
+    if (runs == 1) {
+      attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, 0, slots, Cache::quantized,
+                                  attn + seq_head * HEAD_DIM, HEAD_DIM, true);
+      continue;
     }
+    attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, r * run, end, Cache::quantized && end == slots,
+                                group_partials + r * (HEAD_DIM + 2), stride, false);
     __threadfence();
     __syncwarp();
     unsigned int* done = runs_done + seq * GROUPS + group;
@@ -1481,6 +1509,144 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
   }
 }
 
+// Step 2 of layer_kernel: one sequence's attention (its query q [HEADS * HEAD_DIM], RoPE applied; the
+// cache as attention_items takes it), cut so that a head group's runs are combined where they are
+// computed. A block takes a (head group, team) item: its warps take LAYER_WARPS consecutive runs of the
+// group's slots, a run each, write their results to shared memory and, after a block barrier, combine
+// them into one partial result a head. A group has as few teams as its runs allow (one where they fit
+// a block, which then writes the heads' outputs to attn); of several, the last done, counted in
+// teams_done (made zero by reset_runs_done), combines their partials, read from L2. Nothing waits for
+// another block, so any grid is safe. Runs are as short as a block a group allows, one chunk of 32
+// slots at least (one chunk up to 8,192 slots on a 132-SM GPU). Before, a warp took a run of whole
+// chunks anywhere in the grid and the last warps done with a group's 128 runs waited for the others
+// and combined a head's runs each, alone: one sequence decoded 1.06x as fast at depth 8,192 and 1.10x
+// at depth 0 this way (docs/benchmarks.md, "Attention in teams"). Runs as over attention_items: on
+// tensor cores where TENSOR_RUNS (a quantized cache's new slot a run of its own, fresh_slot_run), else
+// attention_run's (FEWER_HEADS: query_heads' `fewer`; STAGED_KEYS: a plain cache's keys staged).
+// Shared memory: the group's scaled queries (and their group sums), the block's runs' results
+// [LAYER_WARPS][QH][HEAD_DIM + 2], then the staged keys (kernels.team_attention_floats).
+template <int HEADS, int KV_HEADS, int HEAD_DIM, int MAX_RUNS, bool FEWER_HEADS, bool STAGED_KEYS, bool TENSOR_RUNS,
+          typename Cache>
+__device__ void team_attention(const int32_t* position, const float* q, float* partials, float* attn,
+                               const Cache& cache, unsigned int* teams_done, float* smem) {
+  constexpr int QH = query_heads(HEADS / KV_HEADS, FEWER_HEADS);
+  constexpr int GROUPS = head_groups<HEADS, KV_HEADS, FEWER_HEADS>();
+  constexpr bool FRESH_RUN = fresh_run(TENSOR_RUNS, Cache::quantized);
+  constexpr int ROW = HEAD_DIM + 2, stride = MAX_RUNS * ROW, q_groups = Cache::groups;
+  constexpr int RESULTS = (QH * (HEAD_DIM + q_groups) + 3) / 4 * 4;
+  cache.store_fresh(1, position);
+  const int warp = threadIdx.x / 32;
+  float* q_scaled = smem;
+  float* q_sums = smem + QH * HEAD_DIM;
+  float* results = smem + RESULTS;
+  uint4* key_rows = nullptr;
+  if constexpr (STAGED_KEYS && !Cache::quantized) {
+    key_rows = reinterpret_cast<uint4*>(results + LAYER_WARPS * QH * ROW) + warp * 32 * staged_key_units<HEAD_DIM>();
+  }
+  __shared__ unsigned int arrived;
+  const int slots = position[0] + 1, cached = slots - FRESH_RUN, chunks = (cached + 31) / 32;
+  const int most_teams = max(1, min(MAX_RUNS, static_cast<int>(gridDim.x) / GROUPS));
+  const int most_runs = most_teams * LAYER_WARPS - FRESH_RUN;
+  const int run = max(1, (chunks + most_runs - 1) / most_runs) * 32, runs = (cached + run - 1) / run + FRESH_RUN;
+  const int teams = (runs + LAYER_WARPS - 1) / LAYER_WARPS;
+  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
+  for (int item = blockIdx.x; item < GROUPS * teams; item += gridDim.x) {
+    const int group = item % GROUPS, team = item / GROUPS, head = group * QH, kv_head = head / (HEADS / KV_HEADS);
+    __syncthreads();  // the block's previous item has read its queries and results
+    for (int d = threadIdx.x; d < QH * HEAD_DIM; d += blockDim.x) {
+      q_scaled[d] = load_fresh(q + head * HEAD_DIM + d) * scale;
+    }
+    __syncthreads();
+    if constexpr (Cache::quantized && !TENSOR_RUNS) {
+      if (threadIdx.x < QH * q_groups) {
+        float sum = 0.0f;
+        for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
+          sum += q_scaled[threadIdx.x * (HEAD_DIM / q_groups) + d];
+        }
+        q_sums[threadIdx.x] = sum;
+      }
+      __syncthreads();
+    }
+    const int r = team * LAYER_WARPS + warp, begin = r * run, end = min(begin + run, cached);
+    if (r < runs) {
+      const auto head_slots = cache.template slots<QH>(0, kv_head, key_rows);
+      const bool whole = runs == 1;
+      float* out = whole ? attn + head * HEAD_DIM : results + warp * QH * ROW;
+      const int out_stride = whole ? HEAD_DIM : ROW;
+      if (FRESH_RUN && r == runs - 1) {
+        if constexpr (FRESH_RUN) {  // compiled only where the slots have a fresh one
+          fresh_slot_run<HEAD_DIM, QH>(q_scaled, head_slots, out, out_stride, whole);
+        }
+      } else if constexpr (TENSOR_RUNS) {
+        tensor_attention_run<HEAD_DIM, QH>(q_scaled, head_slots.tensor_keys(), head_slots.tensor_values(), begin, end,
+                                           out, out_stride, whole);
+      } else {
+        attention_run<HEAD_DIM, QH>(q_scaled, q_sums, head_slots, begin, end, Cache::quantized && end == slots, out,
+                                    out_stride, whole);
+      }
+    }
+    if (runs == 1) {
+      continue;
+    }
+    __syncthreads();
+    const int members = min(LAYER_WARPS, runs - team * LAYER_WARPS);
+    const bool last = teams == 1;
+    float* group_partials = partials + static_cast<size_t>(head) * stride + team * ROW;
+    for (int i = threadIdx.x; i < QH * HEAD_DIM; i += blockDim.x) {
+      const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+      float top = negative_infinity();
+      for (int m = 0; m < members; ++m) {
+        top = fmaxf(top, results[(m * QH + h) * ROW + HEAD_DIM]);
+      }
+      float den = 0.0f, num = 0.0f;
+      for (int m = 0; m < members; ++m) {
+        const float* result = results + (m * QH + h) * ROW;
+        const float weight = expf(result[HEAD_DIM] - top);
+        den += weight * result[HEAD_DIM + 1];
+        num += weight * result[d];
+      }
+      if (last) {
+        attn[(head + h) * HEAD_DIM + d] = num / den;
+      } else {
+        float* partial = group_partials + h * stride;
+        partial[d] = num;
+        if (d == 0) {
+          partial[HEAD_DIM] = top;
+          partial[HEAD_DIM + 1] = den;
+        }
+      }
+    }
+    if (last) {
+      continue;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      arrived = atomicAdd(teams_done + group, 1u) + 1;
+    }
+    __syncthreads();
+    if (arrived < static_cast<unsigned int>(teams)) {
+      continue;
+    }
+    __threadfence();
+    for (int i = threadIdx.x; i < QH * HEAD_DIM; i += blockDim.x) {
+      const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+      const float* head_partials = partials + static_cast<size_t>(head + h) * stride;
+      float top = negative_infinity(), den = 0.0f, num = 0.0f;
+      for (int t = 0; t < teams; ++t) {
+        top = fmaxf(top, __ldcg(head_partials + t * ROW + HEAD_DIM));
+      }
+      for (int t = 0; t < teams; ++t) {
+        const float* partial = head_partials + t * ROW;
+        const float weight = expf(__ldcg(partial + HEAD_DIM) - top);
+        den += weight * __ldcg(partial + HEAD_DIM + 1);
+        num += weight * __ldcg(partial + d);
+      }
+      attn[(head + h) * HEAD_DIM + d] = num / den;
+    }
+  }
+}
+
 // After the grid barrier that follows attention_items: its counts made zero for the next launch.
 template <int HEADS, int KV_HEADS, bool FEWER_HEADS>
 __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
@@ -1493,16 +1659,17 @@ __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
 
 // One layer of one sequence's decode step, y = the layer's output for input x (both float32):
 //   1. RMSNorm, Q/K/V, RoPE; the new key and value into the cache buffers in place (qkv_rope_pair);
-//   2. attention, a warp for each head group and run of slots, combined by the last warps done (attention_items);
+//   2. attention, a block's warps runs of one head group's slots, combined by the block and across
+//      blocks by the last done (team_attention), the cached slots asked of L2 at the launch's start;
 //   3. output projection + residual -> h;
 //   4. RMSNorm, gate and up -> gate, up;
 //   5. SiLU(gate) * up, down projection + residual -> y.
-// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS (+ 1 for a quantized cache's
-// new slot, fresh_run)][HEAD_DIM + 2], attn,
-// h, gate, up and a quantized cache's fresh key and value [2][KV_HEADS * HEAD_DIM] (float32 each). It and `sync` are inputs that the kernel writes: step.py
-// allocates them once for all layers, since every output costs MLX an allocation a launch.
-// `sync`: arrivals (an unsigned 64-bit count, words 0-1) and from word 32 on, for each head group,
-// its runs done so far (made zero again after the barrier that follows attention); all zero when first used.
+// `scratch` holds what one step hands the next: q, partials [HEADS][MAX_RUNS][HEAD_DIM + 2] (a team's
+// row each), attn, h, gate, up and a quantized cache's fresh key and value [2][KV_HEADS * HEAD_DIM]
+// (float32 each). It and `sync` are inputs that the kernel writes: step.py allocates them once for all
+// layers, since every output costs MLX an allocation a launch. `sync`: arrivals (an unsigned 64-bit
+// count, words 0-1) and from word 32 on, for each head group, its teams done so far (made zero again
+// after the barrier that follows attention); all zero when first used.
 template <int Q_BITS, bool Q_BIASES, int K_BITS, bool K_BIASES, int V_BITS, bool V_BIASES, bool BIAS, int HEADS,
           int KV_HEADS, int HEAD_DIM, int ROPE_DIM, bool TRADITIONAL, int HIDDEN, int O_BITS, bool O_BIASES,
           int GATE_BITS, bool GATE_BIASES, int UP_BITS, bool UP_BIASES, int DOWN_BITS, bool DOWN_BIASES, int FFN,
@@ -1522,7 +1689,7 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   float* partials = q + HEADS * HEAD_DIM;
   constexpr bool TENSOR_RUNS = tensor_runs_take(HEAD_DIM, KV_GROUP);
   constexpr bool FEWER_HEADS = KEY_BITS > 0 && !TENSOR_RUNS;
-  float* attn = partials + HEADS * (MAX_RUNS + fresh_run(TENSOR_RUNS, KEY_BITS > 0)) * (HEAD_DIM + 2);
+  float* attn = partials + HEADS * MAX_RUNS * (HEAD_DIM + 2);
   float* h = attn + HEADS * HEAD_DIM;
   float* gate = h + HIDDEN;
   float* up = gate + FFN;
@@ -1530,9 +1697,10 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
       keys, values, key_scales, key_biases, value_scales, value_biases, capacity, up + FFN, nullptr};
   float* smem = shared_floats();
   unsigned long long* arrivals = reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(sync));
-  unsigned int* runs_done = const_cast<uint32_t*>(sync) + 32;
+  unsigned int* teams_done = const_cast<uint32_t*>(sync) + 32;
   const int warp = grid_warp(), warps = grid_warps(), lane = threadIdx.x % 32;
 
+  cache.prefetch(0, position[0]);
   stage_input<true, HIDDEN, LAYER_THREADS>(x, attn_norm, eps[0], smem);
   for (int pair = warp; pair < (HEADS + 2 * KV_HEADS) * HEAD_DIM / 2; pair += warps) {
     qkv_rope_pair<Q_BITS, Q_BIASES, K_BITS, K_BIASES, V_BITS, V_BIASES, BIAS, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM,
@@ -1541,10 +1709,10 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   }
   grid_barrier(arrivals);
 
-  attention_items<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, FEWER_HEADS, STAGED_KEYS, TENSOR_RUNS>(
-      1, position, q, partials, attn, cache, runs_done, smem);
+  team_attention<HEADS, KV_HEADS, HEAD_DIM, MAX_RUNS, FEWER_HEADS, STAGED_KEYS, TENSOR_RUNS>(
+      position, q, partials, attn, cache, teams_done, smem);
   grid_barrier(arrivals);
-  reset_runs_done<HEADS, KV_HEADS, FEWER_HEADS>(1, runs_done);
+  reset_runs_done<HEADS, KV_HEADS, FEWER_HEADS>(1, teams_done);
 
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
   for (int row = warp; row < HIDDEN; row += warps) {

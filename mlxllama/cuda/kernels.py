@@ -140,11 +140,6 @@ def tensor_runs(c: ModelConfig, kv_group: int = 0) -> bool:
     return c.head_dim % 32 == 0 and c.head_dim <= TENSOR_RUNS_MAX_HEAD_DIM and kv_group in (0, 32)
 
 
-def fresh_run(c: ModelConfig, kv_group: int) -> bool:
-    """decode_step.cu's fresh_run: whether a quantized cache's new slot is a run of its own."""
-    return kv_group > 0 and tensor_runs(c, kv_group)
-
-
 def query_heads(c: ModelConfig, kv_group: int = 0) -> int:
     """decode_step.cu's query_heads: the query heads of one KV head that an attention warp takes at
     once; fewer (MAX_QUERY_HEADS_QUANTIZED) in layer_kernel over a quantized cache that
@@ -184,10 +179,20 @@ def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
             and c.head_dim // 32 * min(quantization.bits, quantization.bits_of_keys) % 8 == 0)
 
 
+def team_attention_floats(c: ModelConfig, staged_keys: bool) -> int:
+    """decode_step.cu's team_attention: one head group's scaled queries and their sums over each group
+    of a quantized cache (32 values at least), rounded up to 16 bytes; every warp's run results
+    [query heads][head_dim + 2]; then, with `staged_keys`, every warp's staged keys."""
+    heads = query_heads(c)
+    queries = -(-heads * (c.head_dim + c.head_dim // 32) // 4) * 4
+    warps = LAYER_THREADS // 32
+    return queries + warps * (heads * (c.head_dim + 2) + (staged_key_floats(c.head_dim) if staged_keys else 0))
+
+
 def layer_shared_floats(c: ModelConfig, staged_keys: bool) -> int:
-    """layer_kernel's shared memory: the largest staged input, or the attention's queries (and keys)."""
+    """layer_kernel's shared memory: the largest staged input, or the attention's (team_attention_floats)."""
     return max(staged_floats(c.hidden_size), staged_floats(c.ffn_size), staged_floats(c.n_heads * c.head_dim),
-               attention_floats(c, staged_keys))
+               team_attention_floats(c, staged_keys))
 
 
 def batch_stride(k: int) -> int:
@@ -206,20 +211,21 @@ def batch_shared_floats(c: ModelConfig, tiles: int, staged_keys: bool) -> int:
 
 
 def max_runs(blocks: int, c: ModelConfig, seqs: int = 1, kv_group: int = 0) -> int:
-    """Runs of slots a head group's attention may be cut into (up to RUNS_LIMIT): few enough that
-    every (sequence, head group, run) item of `seqs` sequences has a warp of its own, as
-    attention_items needs where a group has several runs. Over a quantized cache (kv_group) a
-    group's items may be more (a new slot's run: fresh_run) and its groups smaller (query_heads), so
-    never more runs than a plain cache's: the scratch sized for those holds these."""
+    """MAX_RUNS of both layer kernels: few enough (up to RUNS_LIMIT) that every (sequence, head
+    group, run) item of `seqs` sequences has a warp of its own, as batch_layer_kernel's
+    attention_items needs where a group has several runs. layer_kernel's team_attention takes it
+    as the rows of partial results a head (a team's each), which its teams, at most a block a group
+    of them, never exceed. Over a quantized cache that attention_run reads (kv_group) a layer's
+    head groups are smaller (query_heads), and more."""
     per_group = blocks * (LAYER_THREADS // 32) // (seqs * head_groups(c, kv_group))
-    return min(RUNS_LIMIT, max(1, per_group - fresh_run(c, kv_group)))
+    return min(RUNS_LIMIT, max(1, per_group))
 
 
 def layer_scratch_floats(c: ModelConfig, runs: int) -> int:
-    """layer_kernel's scratch input for a plain cache's `runs` (max_runs): q, partials (a run more a
-    head, for a quantized cache's new slot), attn, h, gate, up, and a quantized cache's fresh key and value."""
+    """layer_kernel's scratch input for a plain cache's `runs` (max_runs): q, partials, attn, h, gate,
+    up, and a quantized cache's fresh key and value."""
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    return 2 * q_dim + c.n_heads * (runs + 1) * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size + 2 * kv_dim
+    return 2 * q_dim + c.n_heads * runs * (c.head_dim + 2) + c.hidden_size + 2 * c.ffn_size + 2 * kv_dim
 
 
 def batch_scratch_floats(c: ModelConfig, tiles: int, runs: int) -> int:

@@ -101,8 +101,8 @@ class KernelStep:
         self.batches = (c.hidden_size % 16 == 0 and c.ffn_size % 16 == 0
                         and 4 * kernels.batch_shared_floats(c, tiles, self.batch_staged_keys) <= shared_bytes)
         self._batch_scratch: dict[int, mx.array] = {}
-        # Sized by a plain cache's runs of slots a head group (kernels.max_runs), which a quantized
-        # cache's runs never exceed, and one more for its new slot's.
+        # Sized by a plain cache's rows of partial results a head (kernels.max_runs), which a
+        # quantized cache's never exceed.
         self.scratch = _on_device(mx.zeros((kernels.layer_scratch_floats(c, kernels.max_runs(blocks, c)),),
                                            mx.float32))
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim

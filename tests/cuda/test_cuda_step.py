@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from itertools import product
 from pathlib import Path
 from unittest.mock import patch
 
@@ -94,10 +93,8 @@ def test_kernel_step_matches_the_plain_step(name):
 @pytest.mark.parametrize("blocks,length", [(None, 70), (None, 300), (3, 300), (1, 300)])
 def test_kernel_step_over_many_runs_of_slots(blocks, length):
     """chat-tiny's 8 heads in 2 groups of 4 (kernels.query_heads), attended on tensor cores. 70
-    cached slots on the whole GPU: 3 runs of one chunk (32 slots), fewer than a group's heads, so one
-    of the warps that combine them takes two; 300: 10 runs, the last 4 warps done each combining a
-    head; on 3 blocks, 10 runs too, from a MAX_RUNS of 24; on 1 block, 5 runs of two chunks
-    (MAX_RUNS 8), each a step of 32 slots after another."""
+    cached slots: 3 runs of one chunk (32 slots) in one block (a team), which combines them; 300: 10
+    runs; on 3 blocks, one team a group too; on 1 block, which takes the two groups' teams in turn."""
     runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"))
     step = runtime.model.decode_step
     if blocks is not None:
@@ -120,10 +117,21 @@ def tinyllama(tmp_path_factory):
 def test_kernel_step_with_two_head_groups_a_kv_head(tinyllama):
     """TinyLlama's layout (8 query heads a KV head, taken 4 at a time, so two warps read each KV
     head's slots of a run) at 2,000 cached slots, through the kernels and the plain step (random
-    weights: a head group attending to another KV head's values would give other outputs)."""
+    weights: a head group attending to another KV head's values would give other outputs): 63 runs
+    of a chunk a group, in 4 teams whose partial results the last done combines."""
     assert kernels.query_heads(tinyllama.config) == 4
     ids = np.random.default_rng(1).integers(3, tinyllama.config.vocab_size, 2000).tolist()
     assert_steps_match(tinyllama.model, tinyllama.model.decode_step, ids)
+
+
+@on_cuda
+def test_kernel_step_with_runs_of_several_steps(tinyllama):
+    """On one block, TinyLlama's 8 head groups at 2,000 cached slots are one team each, taken in
+    turn: 16 runs of 4 chunks a group, each run's next rows loaded while it computes a step."""
+    model = tinyllama.model
+    step = KernelStep(model, model.decode_step.fallback, 1, device_limits()[1])
+    ids = np.random.default_rng(5).integers(3, tinyllama.config.vocab_size, 2000).tolist()
+    assert_steps_match(model, step, ids)
 
 
 @on_cuda
@@ -154,6 +162,28 @@ def test_kernel_step_over_a_quantized_cache_of_two_groups_a_head(tinyllama, bits
         assert_steps_match(model, model.decode_step, ids)
     finally:
         model.store_kv_quantized(None)
+
+
+@on_cuda
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_kernel_step_off_tensor_cores(monkeypatch, kv_bits):
+    """attention_run's runs in layer_kernel (heads wider than TENSOR_RUNS_MAX_HEAD_DIM; here chat-tiny's
+    heads of 32 with that bound made 0 in the source the kernels are built from): a plain cache's
+    keys staged in shared memory, and an 8-bit cache's slots with the new one last in the last run,
+    at 300 cached slots (10 runs of a chunk, combined by their block)."""
+    monkeypatch.setattr(kernels, "HEADER", re.sub(r"TENSOR_RUNS_MAX_HEAD_DIM = \d+;", "TENSOR_RUNS_MAX_HEAD_DIM = 0;",
+                                                  kernels.HEADER))
+    monkeypatch.setattr(kernels, "TENSOR_RUNS_MAX_HEAD_DIM", 0)
+    kernels.kernel.cache_clear()
+    try:
+        quantization = KVQuantization(kv_bits) if kv_bits else None
+        runtime = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf"), kv_quantization=quantization)
+        step = runtime.model.decode_step
+        assert not kernels.tensor_runs(runtime.config) and step.staged_keys  # a quantized cache stages none
+        ids = np.random.default_rng(4).integers(3, runtime.config.vocab_size, 300).tolist()
+        assert_steps_match(runtime.model, step, ids)
+    finally:
+        kernels.kernel.cache_clear()
 
 
 @on_cuda
@@ -470,24 +500,18 @@ def test_attention_warps_take_the_query_heads_of_one_kv_head(chat_tiny_config, h
 
 
 @pytest.mark.parametrize("blocks", [3, 16, 132])
-@pytest.mark.parametrize("seqs", [1, 8, 16])
+@pytest.mark.parametrize("seqs", [8, 16])
 def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat_tiny_config, blocks, seqs):
-    """attention_items' combining warps wait for the group's other runs: where a group's runs (with
-    a quantized cache's new slot's, fresh_run) are more than one and so are its combining warps, every
-    (sequence, group, run) item must have a warp of its own, or a warp could wait for an item it
-    would take itself later. A quantized cache is layer_kernel's, one sequence's: in groups of 32
-    (tensor runs for heads of 32) or of 64 (attention_run's, fewer query heads a warp)."""
-    caches = [0] if seqs > 1 else [0, 32, 64]
-    for (heads, kv_heads), kv_group in product([(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)], caches):
+    """batch_layer_kernel's combining warps wait for the group's other runs (attention_items): where
+    a group's runs are more than one and so are its combining warps, every (sequence, group, run)
+    item must have a warp of its own, or a warp could wait for an item it would take itself later.
+    (One sequence's teams wait for no other block: decode_step.cu's team_attention.)"""
+    for heads, kv_heads in [(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)]:
         config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
-        runs = kernels.max_runs(blocks, config, seqs, kv_group)
+        runs = kernels.max_runs(blocks, config, seqs)
         assert 1 <= runs <= kernels.RUNS_LIMIT
-        items = runs + kernels.fresh_run(config, kv_group)
-        # The layer's scratch, sized by a plain cache's runs and one more, holds a quantized cache's partials.
-        assert items <= kernels.max_runs(blocks, config, seqs) + 1
-        if min(items, kernels.query_heads(config, kv_group)) > 1:
-            groups = kernels.head_groups(config, kv_group)
-            assert seqs * groups * items <= blocks * kernels.LAYER_THREADS // 32
+        if min(runs, kernels.query_heads(config)) > 1:
+            assert seqs * kernels.head_groups(config) * runs <= blocks * kernels.LAYER_THREADS // 32
 
 
 @pytest.mark.parametrize("head_dim,bits,takes", [(32, 8, True), (32, 4, False), (64, 4, True), (64, 8, True),
