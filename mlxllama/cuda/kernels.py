@@ -55,8 +55,9 @@ TENSOR_RUNS_MAX_HEAD_DIM = _constant(_STEP_SOURCE, "TENSOR_RUNS_MAX_HEAD_DIM")
 # Sequences batch_layer_kernel takes at once: two tiles of 8 (its shared memory holds all their inputs).
 MAX_BATCH = 2 * SEQ_TILE
 FFN_ROWS = 4  # rows of the gate or up projection a warp takes at once in layer_kernel (1, 2 and 8: no faster)
-# Runs a head group's attention is cut into at most: shorter runs, but more of them to combine
-# (128 measured faster than 64 at depth 8,192: docs/benchmarks.md, "Attention at depth").
+# Runs a head group's attention is cut into at most in batch_layer_kernel: shorter runs, but more of
+# them to combine (128 measured faster than 64 at depth 8,192: docs/benchmarks.md, "Attention at
+# depth"). layer_kernel's teams a group are fewer (a block a group at most: max_runs).
 RUNS_LIMIT = 128
 
 # Values MLX passes with the inputs: the cache's capacity in slots, and the number of sequences.
@@ -163,9 +164,10 @@ def staged_key_floats(head_dim: int) -> int:
 
 
 def attention_floats(c: ModelConfig, staged_keys: bool) -> int:
-    """Shared memory for the scaled queries of every warp's head group, and their sums over each
-    group of a quantized cache (32 values at least): as many as the larger groups of a plain cache
-    need; then, with `staged_keys`, every warp's staged keys (decode_step.cu's attention_items)."""
+    """batch_layer_kernel's attention (decode_step.cu's attention_items): the scaled queries of
+    every warp's head group, and their sums over each group of a quantized cache (32 values at
+    least), as many as the larger groups of a plain cache need; then, with `staged_keys`, every
+    warp's staged keys."""
     queries = query_heads(c) * (c.head_dim + c.head_dim // 32)
     return LAYER_THREADS // 32 * (queries + (staged_key_floats(c.head_dim) if staged_keys else 0))
 
