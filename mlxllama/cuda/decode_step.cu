@@ -1400,7 +1400,7 @@ __device__ void tensor_attention_run(const float* q, const KeyRows& keys, const 
 }
 
 // A quantized cache's new slot as a run of its own, beside tensor_attention_run's over the cached
-// slots (attention_items): the slot's key and value as the cache stores them (QuantizedSlots::fresh,
+// slots (team_attention): the slot's key and value as the cache stores them (QuantizedSlots::fresh,
 // which quantizes them from `fresh`), scored for the warp's QH queries. out as the runs write it:
 // the value itself where `whole` (the only slot), else the value at weight 1, its score the largest.
 template <int HEAD_DIM, int QH, typename Slots>
@@ -1424,8 +1424,8 @@ __device__ void fresh_slot_run(const float* q, const Slots& slots, float* out, i
   }
 }
 
-// Whether a quantized cache's new slot is a run of its own (fresh_slot_run), as over one on tensor
-// cores; partials then hold one run more a head (attention_items, layer_kernel's scratch).
+// Whether a quantized cache's new slot is a run of its own (fresh_slot_run, team_attention's last
+// run), as over one on tensor cores.
 __host__ __device__ constexpr bool fresh_run(bool tensor_runs, bool quantized) {
   return tensor_runs && quantized;
 }
@@ -1647,7 +1647,7 @@ __device__ void team_attention(const int32_t* position, const float* q, float* p
   }
 }
 
-// After the grid barrier that follows attention_items: its counts made zero for the next launch.
+// After the grid barrier that follows attention_items or team_attention: their counts made zero for the next launch.
 template <int HEADS, int KV_HEADS, bool FEWER_HEADS>
 __device__ void reset_runs_done(int seqs, unsigned int* runs_done) {
   if (blockIdx.x == 0) {
