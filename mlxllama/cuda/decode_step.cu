@@ -1430,6 +1430,17 @@ __host__ __device__ constexpr bool fresh_run(bool tensor_runs, bool quantized) {
   return tensor_runs && quantized;
 }
 
+// The sum of group g of the staged queries (groups of SIZE values), which a quantized cache's bias
+// multiplies in a score (QuantizedSlots::score's q_sums).
+template <int SIZE>
+__device__ inline float group_sum(const float* q_scaled, int g) {
+  float sum = 0.0f;
+  for (int d = 0; d < SIZE; ++d) {
+    sum += q_scaled[g * SIZE + d];
+  }
+  return sum;
+}
+
 // Step 2 of batch_layer_kernel: attention of `seqs` sequences, sequence s at positions[s] with its
 // query in q [seqs][HEADS * HEAD_DIM] (RoPE applied) and its keys and values in `cache` (LayerCache:
 // the new slot written, or for a quantized cache in `fresh`, stored here). A head group is the QH
@@ -1473,11 +1484,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     }
     __syncwarp();
     if (Cache::quantized && lane < QH * q_groups) {
-      float sum = 0.0f;
-      for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
-        sum += q_scaled[lane * (HEAD_DIM / q_groups) + d];
-      }
-      q_sums[lane] = sum;
+      q_sums[lane] = group_sum<HEAD_DIM / q_groups>(q_scaled, lane);
     }
     __syncwarp();
     const auto head_slots = cache.template slots<QH>(seq, kv_head, key_rows);
@@ -1506,6 +1513,24 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
     for (int h = rank; h < QH; h += combiners) {
       combine_runs<HEAD_DIM>(group_partials + h * stride, runs, attn + (seq_head + h) * HEAD_DIM);
     }
+  }
+}
+
+// Dim d of one head's `count` results (runs' or teams'), result i at row(i) as a run writes it (weighted
+// values [HEAD_DIM], largest score, sum of exponentials), each float read by `read`, merged: their
+// largest score (top), their sums scaled to it (den) and dim d's weighted values too (num).
+template <int HEAD_DIM, typename Row, typename Read>
+__device__ inline void merge_results(int count, int d, Row row, Read read, float& top, float& den, float& num) {
+  top = negative_infinity();
+  for (int i = 0; i < count; ++i) {
+    top = fmaxf(top, read(row(i) + HEAD_DIM));
+  }
+  den = num = 0.0f;
+  for (int i = 0; i < count; ++i) {
+    const float* result = row(i);
+    const float weight = expf(read(result + HEAD_DIM) - top);
+    den += weight * read(result + HEAD_DIM + 1);
+    num += weight * read(result + d);
   }
 }
 
@@ -1559,11 +1584,7 @@ __device__ void team_attention(const int32_t* position, const float* q, float* p
     __syncthreads();
     if constexpr (Cache::quantized && !TENSOR_RUNS) {
       if (threadIdx.x < QH * q_groups) {
-        float sum = 0.0f;
-        for (int d = 0; d < HEAD_DIM / q_groups; ++d) {
-          sum += q_scaled[threadIdx.x * (HEAD_DIM / q_groups) + d];
-        }
-        q_sums[threadIdx.x] = sum;
+        q_sums[threadIdx.x] = group_sum<HEAD_DIM / q_groups>(q_scaled, threadIdx.x);
       }
       __syncthreads();
     }
@@ -1594,17 +1615,10 @@ __device__ void team_attention(const int32_t* position, const float* q, float* p
     float* group_partials = partials + static_cast<size_t>(head) * stride + team * ROW;
     for (int i = threadIdx.x; i < QH * HEAD_DIM; i += blockDim.x) {
       const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-      float top = negative_infinity();
-      for (int m = 0; m < members; ++m) {
-        top = fmaxf(top, results[(m * QH + h) * ROW + HEAD_DIM]);
-      }
-      float den = 0.0f, num = 0.0f;
-      for (int m = 0; m < members; ++m) {
-        const float* result = results + (m * QH + h) * ROW;
-        const float weight = expf(result[HEAD_DIM] - top);
-        den += weight * result[HEAD_DIM + 1];
-        num += weight * result[d];
-      }
+      float top, den, num;
+      merge_results<HEAD_DIM>(
+          members, d, [=](int m) { return results + (m * QH + h) * ROW; }, [](const float* p) { return *p; }, top, den,
+          num);
       if (last) {
         attn[(head + h) * HEAD_DIM + d] = num / den;
       } else {
@@ -1631,17 +1645,11 @@ __device__ void team_attention(const int32_t* position, const float* q, float* p
     __threadfence();
     for (int i = threadIdx.x; i < QH * HEAD_DIM; i += blockDim.x) {
       const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+      float top, den, num;
       const float* head_partials = partials + static_cast<size_t>(head + h) * stride;
-      float top = negative_infinity(), den = 0.0f, num = 0.0f;
-      for (int t = 0; t < teams; ++t) {
-        top = fmaxf(top, __ldcg(head_partials + t * ROW + HEAD_DIM));
-      }
-      for (int t = 0; t < teams; ++t) {
-        const float* partial = head_partials + t * ROW;
-        const float weight = expf(__ldcg(partial + HEAD_DIM) - top);
-        den += weight * __ldcg(partial + HEAD_DIM + 1);
-        num += weight * __ldcg(partial + d);
-      }
+      merge_results<HEAD_DIM>(
+          teams, d, [=](int t) { return head_partials + t * ROW; }, [](const float* p) { return __ldcg(p); }, top, den,
+          num);
       attn[(head + h) * HEAD_DIM + d] = num / den;
     }
   }
