@@ -1473,7 +1473,7 @@ __device__ void attention_items(int seqs, const int32_t* positions, const float*
   for (int item = warp; item < seqs * GROUPS * MAX_RUNS; item += warps) {
     const int r = item / (seqs * GROUPS), seq = item % (seqs * GROUPS) / GROUPS, group = item % GROUPS;
     const int slots = positions[seq] + 1, chunks = (slots + 31) / 32;
-    const int run = max(1, (chunks + MAX_RUNS - 1) / MAX_RUNS) * 32, runs = (slots + run - 1) / run;
+    const int run = (chunks + MAX_RUNS - 1) / MAX_RUNS * 32, runs = (slots + run - 1) / run;
     if (r >= runs) {
       continue;
     }
