@@ -514,6 +514,17 @@ def test_every_attention_item_has_a_warp_of_its_own_where_runs_are_combined(chat
             assert seqs * kernels.head_groups(config) * runs <= blocks * kernels.LAYER_THREADS // 32
 
 
+@pytest.mark.parametrize("blocks", [3, 16, 132])
+def test_one_sequence_scratch_holds_a_quantized_cache_s_partials(chat_tiny_config, blocks):
+    """layer_kernel's scratch holds partials for a plain cache's MAX_RUNS rows a head (step.py sizes it
+    once); over a quantized cache the kernel's MAX_RUNS (max_runs with its group size: more, smaller
+    head groups where attention_run reads it) is never more."""
+    for heads, kv_heads in [(8, 2), (32, 4), (32, 8), (32, 32), (64, 8)]:
+        config = replace(chat_tiny_config, n_heads=heads, n_kv_heads=kv_heads)
+        for kv_group in (32, 64):
+            assert kernels.max_runs(blocks, config, 1, kv_group) <= kernels.max_runs(blocks, config)
+
+
 @pytest.mark.parametrize("head_dim,bits,takes", [(32, 8, True), (32, 4, False), (64, 4, True), (64, 8, True),
                                                  (128, 4, True)])
 def test_kernels_read_caches_quantized_in_whole_bytes_a_lane(chat_tiny_config, head_dim, bits, takes):
