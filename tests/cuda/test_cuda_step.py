@@ -26,7 +26,8 @@ from mlxllama.cuda.step import device_limits
 from mlxllama.generate import prefill
 from mlxllama.models.transformer import EXPLICIT
 from mlxllama.prompt import Template, build_prompt, messages_for
-from mlxllama.quants import to_affine
+from mlxllama.quantized_layers import NativeLinear
+from mlxllama.quants import AffineWeight, to_affine
 
 from conftest import assert_same_greedy, find_fixture_model, load_as_on_cuda
 
@@ -131,6 +132,27 @@ def test_kernel_step_with_runs_of_several_steps(tinyllama):
     model = tinyllama.model
     step = KernelStep(model, model.decode_step.fallback, 1, device_limits()[1])
     ids = np.random.default_rng(5).integers(3, tinyllama.config.vocab_size, 2000).tolist()
+    assert_steps_match(model, step, ids)
+
+
+@on_cuda
+def test_kernel_step_with_gate_and_up_of_two_widths():
+    """Gate at 4 bits and up at 8, as no llama.cpp mix among the fixtures has them (fusion.py then
+    stacks neither): layer_kernel's items of gate rows and of up rows each read their own form."""
+    model = mlxllama.load(find_fixture_model("chat-tiny-Q4_K_M.gguf")).model
+    ffn = model.config.ffn_size
+    for block in model.blk:
+        fused = block["ffn_gate_up"]
+        gate, up = ([fused[n][rows] for n in ("weight", "scales", "biases")]
+                    for rows in (slice(0, ffn), slice(ffn, None)))
+        dense_up = mx.dequantize(*up, group_size=fused.group_size, bits=fused.bits)
+        del block["ffn_gate_up"]
+        block["ffn_gate"] = NativeLinear(AffineWeight(*gate, fused.bits, fused.qtype, fused.group_size), False)
+        block["ffn_up"] = NativeLinear(AffineWeight(*mx.quantize(dense_up, group_size=fused.group_size, bits=8), 8,
+                                                    fused.qtype, fused.group_size), False)
+    step = KernelStep(model, model.decode_step.fallback, *device_limits())
+    assert {(layer["gate"].bits, layer["up"].bits) for layer in step.layers} == {(4, 8)}
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 40).tolist()
     assert_steps_match(model, step, ids)
 
 
