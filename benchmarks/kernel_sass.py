@@ -12,12 +12,12 @@ default groups for heads of 64 (KVQuantization.for_heads: 32) with float16 scale
 gives on an H100's 132 SMs (one sequence, or the batch kernel's 16). Each build is `nvcc -std=c++17
 -O3 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
-depth"). --source compiles another copy of decode_step.cu (a variant under study) instead.
+depth"), and its spill instructions are counted step by step. --source compiles another copy of decode_step.cu (a variant under study) instead.
 --q6-k builds q6_k.cu's kernels instead, for TinyLlama's Q6_K output layer (2,048 columns): the
 product of 1 and of 16 float16 inputs (as blocks.py launches them), and the kernel step's head.
 
-Needs nvcc for CUDA 12.8 or later. cuobjdump comes with a full CUDA, or from PyPI's
-nvidia-cuda-cuobjdump wheel (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
+Needs nvcc for CUDA 12.8 or later. cuobjdump and the nvdisasm it runs come with a full CUDA, or
+from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
 NVRTC for sm_90 with no other options, whose code generation is ptxas's too; MLX's own generated
 source for the file (combine-loads/mlx-generated-source.txt in benchmarks/results), built here,
 loads the combined runs as these builds do.
@@ -111,6 +111,26 @@ def build(unit_text: str, name: str, label: str, work: str, sass: Path | None) -
     if sass:
         listing = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True)
         (sass / f"{name}.sass").write_text(listing.stdout)
+        print(f"  {spills_by_step(listing.stdout)}")
+
+
+def spills_by_step(listing: str) -> str:
+    """The local-memory stores and loads (STL, LDL: ptxas's spills) of a layer kernel's SASS in each of
+    its steps, cut at the grid barriers (each barrier's arrival is the launch's one 64-bit atomic
+    add): ptxas allocates registers for the whole kernel, and a change to one step can make another
+    spill (docs/benchmarks.md, "The FFN's products in units"). Another kernel's in all."""
+    lines = listing.splitlines()
+    arrivals = [i for i, line in enumerate(lines) if "ATOMG.E.ADD.64" in line]
+    edges = [0, *arrivals, len(lines)]
+
+    def count(a: int, b: int) -> str:
+        ops = [re.search(r"\b(STL|LDL)\b", line) for line in lines[a:b]]
+        return f"{sum(op is not None and op[1] == 'STL' for op in ops)}/{sum(op is not None and op[1] == 'LDL' for op in ops)}"
+
+    if len(arrivals) != 4:
+        return f"spill instructions (stores/loads): {count(0, len(lines))}"
+    return "spill instructions (stores/loads) by step: " + ", ".join(
+        f"{step} {count(a, b)}" for step, (a, b) in enumerate(zip(edges, edges[1:]), start=1))
 
 
 def main() -> None:
@@ -121,12 +141,14 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help="batch_layer_kernel instead of layer_kernel")
     parser.add_argument("--source", type=Path, default=SOURCE / "decode_step.cu",
                         help="a copy of decode_step.cu to build instead (a variant under study)")
-    parser.add_argument("--sass", type=Path, metavar="DIR", help="write each build's SASS here (needs cuobjdump)")
+    parser.add_argument("--sass", type=Path, metavar="DIR",
+                        help="write each build's SASS here and count its spill instructions by step (needs cuobjdump "
+                             "and nvdisasm)")
     parser.add_argument("--q6-k", action="store_true", help="q6_k.cu's kernels instead of the layer kernels")
     args = parser.parse_args()
     if args.q6_k and args.batch:
         sys.exit("kernel_sass.py: --q6-k and --batch build different kernels: give one")
-    for tool in ["nvcc"] + (["cuobjdump"] if args.sass else []):
+    for tool in ["nvcc"] + (["cuobjdump", "nvdisasm"] if args.sass else []):
         if shutil.which(tool) is None:
             sys.exit(f"kernel_sass.py: {tool} not found on PATH")
     if not args.source.is_file():
