@@ -12,15 +12,16 @@ default groups for heads of 64 (KVQuantization.for_heads: 32) with float16 scale
 gives on an H100's 132 SMs (one sequence, or the batch kernel's 16). Each build is `nvcc -std=c++17
 -O3 -arch=sm_90 -cubin`, and ptxas's register and spill counts are printed; with --sass, cuobjdump's
 SASS of each build is written to DIR, to see where loads wait (docs/benchmarks.md, "Attention at
-depth"), and its spill instructions are counted step by step. --source compiles another copy of decode_step.cu (a variant under study) instead.
+depth"), and its spill instructions are counted step by step. --source compiles another copy of
+decode_step.cu (a variant under study) instead.
 --q6-k builds q6_k.cu's kernels instead, for TinyLlama's Q6_K output layer (2,048 columns): the
 product of 1 and of 16 float16 inputs (as blocks.py launches them), and the kernel step's head.
 
 Needs nvcc for CUDA 12.8 or later. cuobjdump and the nvdisasm it runs come with a full CUDA, or
-from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels (docs/maintaining.md, "The GPU"). MLX compiles the kernels with
-NVRTC for sm_90 with no other options, whose code generation is ptxas's too; MLX's own generated
-source for the file (combine-loads/mlx-generated-source.txt in benchmarks/results), built here,
-loads the combined runs as these builds do.
+from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels (docs/maintaining.md, "The
+GPU"). MLX compiles the kernels with NVRTC for sm_90 with no other options, whose code generation
+is ptxas's too; MLX's own generated source for the file (combine-loads/mlx-generated-source.txt in
+benchmarks/results), built here, loads the combined runs as these builds do.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def spills_by_step(listing: str) -> str:
     edges = [0, *arrivals, len(lines)]
 
     def count(a: int, b: int) -> str:
-        ops = [re.search(r"\b(STL|LDL)\b", line) for line in lines[a:b]]
-        return f"{sum(op is not None and op[1] == 'STL' for op in ops)}/{sum(op is not None and op[1] == 'LDL' for op in ops)}"
+        ops = [found[1] for line in lines[a:b] if (found := re.search(r"\b(STL|LDL)\b", line))]
+        return f"{ops.count('STL')}/{ops.count('LDL')}"
 
     if len(arrivals) != 4:
         return f"spill instructions (stores/loads): {count(0, len(lines))}"

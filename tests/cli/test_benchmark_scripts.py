@@ -66,6 +66,22 @@ def test_kernel_sass_compiles_the_one_sequence_kernel_spilling_no_more_than_meas
     assert stores <= 160 and loads <= 400 and registers <= 128, out
 
 
+def test_kernel_sass_counts_a_layer_kernel_s_spill_instructions_step_by_step(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import kernel_sass
+
+    def barrier(i):
+        return f"        /*0{i}0*/  @P1 ATOMG.E.ADD.64.STRONG.GPU PT, R2, desc[UR4][R4.64], R6 ;"
+
+    step = ["        /*0100*/  STL [R1+0x4], R12 ;", "        /*0110*/  LDL.64 R8, [R1+0x8] ;",
+            "        /*0120*/  LDG.E.STRONG.GPU R3, desc[UR4][R6.64] ;", "        /*0130*/  LDL R9, [R1] ;"]
+    listing = step + [barrier(1)] + step[2:] + [barrier(2)] + step + step + [barrier(3), barrier(4)] + step[:1]
+    assert kernel_sass.spills_by_step("\n".join(listing)) == \
+        "spill instructions (stores/loads) by step: 1 1/2, 2 0/1, 3 2/4, 4 0/0, 5 1/0"
+    # A kernel without the layer kernels' four barriers (q6_k.cu's): counted in all.
+    assert kernel_sass.spills_by_step("\n".join(step + [barrier(1)] + step)) == "spill instructions (stores/loads): 2/4"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_kernel_sass_compiles_the_q6_k_kernels_without_spilling():
     out = run_script("benchmarks/kernel_sass.py", "--q6-k")
