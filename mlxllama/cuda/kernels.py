@@ -163,13 +163,16 @@ def staged_key_floats(head_dim: int) -> int:
     return 32 * (head_dim // 2 + 4)
 
 
+def _group_query_floats(c: ModelConfig) -> int:
+    """A head group's scaled queries and their sums over each group of a quantized cache (32 values
+    at least), as many as the larger groups of a plain cache need."""
+    return query_heads(c) * (c.head_dim + c.head_dim // 32)
+
+
 def attention_floats(c: ModelConfig, staged_keys: bool) -> int:
-    """batch_layer_kernel's attention (decode_step.cu's attention_items): the scaled queries of
-    every warp's head group, and their sums over each group of a quantized cache (32 values at
-    least), as many as the larger groups of a plain cache need; then, with `staged_keys`, every
-    warp's staged keys."""
-    queries = query_heads(c) * (c.head_dim + c.head_dim // 32)
-    return LAYER_THREADS // 32 * (queries + (staged_key_floats(c.head_dim) if staged_keys else 0))
+    """batch_layer_kernel's attention (decode_step.cu's attention_items): every warp's head group's
+    queries (_group_query_floats), then, with `staged_keys`, every warp's staged keys."""
+    return LAYER_THREADS // 32 * (_group_query_floats(c) + (staged_key_floats(c.head_dim) if staged_keys else 0))
 
 
 def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
@@ -182,13 +185,12 @@ def takes_quantized_cache(c: ModelConfig, quantization: KVQuantization) -> bool:
 
 
 def team_attention_floats(c: ModelConfig, staged_keys: bool) -> int:
-    """decode_step.cu's team_attention: one head group's scaled queries and their sums over each group
-    of a quantized cache (32 values at least), rounded up to 16 bytes; every warp's run results
-    [query heads][head_dim + 2]; then, with `staged_keys`, every warp's staged keys."""
-    heads = query_heads(c)
-    queries = -(-heads * (c.head_dim + c.head_dim // 32) // 4) * 4
-    warps = LAYER_THREADS // 32
-    return queries + warps * (heads * (c.head_dim + 2) + (staged_key_floats(c.head_dim) if staged_keys else 0))
+    """decode_step.cu's team_attention: one head group's queries (_group_query_floats) rounded up to 16
+    bytes; every warp's run results [query heads][head_dim + 2]; then, with `staged_keys`, every
+    warp's staged keys."""
+    queries = -(-_group_query_floats(c) // 4) * 4
+    results = query_heads(c) * (c.head_dim + 2)
+    return queries + LAYER_THREADS // 32 * (results + (staged_key_floats(c.head_dim) if staged_keys else 0))
 
 
 def layer_shared_floats(c: ModelConfig, staged_keys: bool) -> int:
