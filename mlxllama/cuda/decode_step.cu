@@ -482,10 +482,13 @@ __host__ __device__ constexpr bool tensor_runs_take(int head_dim, int kv_group) 
   return head_dim % 32 == 0 && head_dim <= TENSOR_RUNS_MAX_HEAD_DIM && (kv_group == 0 || kv_group == 32);
 }
 
-// The rows of a KV head's keys or values as tensor_attention_run reads them: a lane's 8 dims 8t .. 8t
-// + 7 (t = lane % 4) of each 32 of a slot, loaded as the cache stores them (load) and used as 16 bytes
-// of float16, dims in pairs (halves: part e, dims 32e + 8t ...). Read from L2: other blocks wrote the
-// newest slot in this launch.
+// The rows of a KV head's keys or values as tensor_attention_run reads them: 8 dims of each part
+// (HEAD_DIM / 32 parts) of a slot a lane, loaded as the cache stores them (load) and used as 16 bytes
+// of float16 a part, 4 pairs of dims (halves). Which dims of a row lane t = lane % 4 holds as part e
+// (part_of) and which two of them make pair m (pair_first, PAIR_SPREAD) is each kind of rows' own:
+// tensor_attention_run takes a query's dims and writes its results the same way. Here dims 8t .. 8t
+// + 7 of each 32, in pairs of neighbours. Read from L2: other blocks wrote the newest slot in this
+// launch.
 template <int HEAD_DIM, typename C>
 struct PlainTensorRows {
   static constexpr int PARTS = HEAD_DIM / 32;
@@ -494,10 +497,24 @@ struct PlainTensorRows {
   };
   const C* rows;
 
+  // The first of the 8 dims of part e of a row (`row`) that lane t holds.
+  template <typename P>
+  __device__ static P part_of(P row, int t, int e) {
+    return row + 32 * e + 8 * t;
+  }
+
+  // Pair m of a part is its dims 2m and 2m + 1.
+  static constexpr int PAIR_SPREAD = 1;
+  __device__ static constexpr int pair_first(int m) {
+    return 2 * m;
+  }
+
   __device__ void load(size_t slot, Loaded& out) const {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int e = 0; e < PARTS; ++e) {
+      // part_of's address written out: through part_of, ptxas spilled more in this step (12 stores
+      // and 48 loads against 7 and 25, kernel_sass.py --sass).
       out.part[e] = __ldcg(reinterpret_cast<const uint4*>(rows + slot * HEAD_DIM + 32 * e + 8 * t));
     }
   }
@@ -515,55 +532,81 @@ __device__ inline uint32_t half2_bits(__half2 pair) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// A cache quantized in groups of 32 dims (MLX's affine format along the head; part e is group e):
-// a lane loads its 8 codes of each part and the slot's scales and biases, fewer bytes than a plain
-// row, and turns them into float16 where they are used. A code c becomes the float16 1024 + c when
-// placed in the mantissa of 1024 (0x6400), exactly; 1024 is taken off, also exactly, and scale * c +
-// bias is one fused multiply-add, rounded once to float16 (mx.dequantize's values, to within one
-// float16 step).
+// The low nibbles of bytes 0 and 2 of x as the float16 1024 + code each: one LOP3 ((x & mask) | magic),
+// which ptxas otherwise splits in two for its two constants.
+__device__ inline uint32_t float16_codes(uint32_t x) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(x), "n"(0x000F000F), "n"(0x64006400));
+  return out;
+}
+
+// A cache quantized in groups of 32 dims (MLX's affine format along the head): a lane holds
+// HEAD_DIM / 4 dims of a row in a row, so that their codes are one load and one group's, with one
+// scale and one bias: 3 loads a row (8 dims of each 32 took 4: two of codes, the slot's scales, its
+// biases), fewer bytes than a plain row, turned into float16 where they are used. A code c becomes
+// the float16 1024 + c when placed in the mantissa of 1024 (0x6400), exactly; 1024 is taken off,
+// also exactly, and scale * c + bias is one fused multiply-add, rounded once to float16
+// (mx.dequantize's values, to within one float16 step). With the 4-bit pairs below, a step over a
+// 4-bit cache is 694 instructions where it was 986, and one sequence at depth 8,192 decoded 1.10x as
+// fast over a 4-bit cache, level with or faster than over a plain one (docs/benchmarks.md, "A
+// quantized row's dims in a row").
 template <int HEAD_DIM, int BITS, typename KS>
 struct QuantizedTensorRows {
   static_assert(sizeof(KS) == 2 && (BITS == 4 || BITS == 8), "float16 scales and biases, 4- or 8-bit codes");
-  static constexpr int PARTS = HEAD_DIM / 32, WORDS = HEAD_DIM * BITS / 32;
-  using Codes = typename Raw<BITS>::type;       // a lane's 8 codes of a part
-  using Groups = typename Raw<2 * PARTS>::type;  // a slot's scales, or biases: one a part
+  static constexpr int PARTS = HEAD_DIM / 32, WORDS = HEAD_DIM * BITS / 32, LANE_DIMS = HEAD_DIM / 4;
+  static_assert(32 % LANE_DIMS == 0, "a lane's dims in one group");
+  using Codes = typename Raw<LANE_DIMS * BITS / 8>::type;  // a lane's codes of a row
   struct Loaded {
-    Codes part[PARTS];
-    Groups scales, biases;
+    uint32_t words[LANE_DIMS * BITS / 32];
+    unsigned short scale, bias;
   };
   const uint32_t* codes;
   const KS* scales;
   const KS* biases;
 
+  template <typename P>
+  __device__ static P part_of(P row, int t, int e) {
+    return row + t * LANE_DIMS + 8 * e;
+  }
+
+  // Pair m of a part is its dims 2m and 2m + 1 at 8 bits (bytes 2m and 2m + 1 of its codes); at 4,
+  // dims m and m + 4, nibbles m and m + 4 of its word, which a shift and one LOP3 take out where
+  // neighbours took 8 instructions (two nibbles of one byte).
+  static constexpr int PAIR_SPREAD = BITS == 8 ? 1 : 4;
+  __device__ static constexpr int pair_first(int m) {
+    return BITS == 8 ? 2 * m : m;
+  }
+
   __device__ void load(size_t slot, Loaded& out) const {
     const int t = threadIdx.x % 4;
     const unsigned char* row = reinterpret_cast<const unsigned char*>(codes + slot * WORDS);
-#pragma unroll
-    for (int e = 0; e < PARTS; ++e) {
-      out.part[e] = __ldcg(reinterpret_cast<const Codes*>(row + (32 * e + 8 * t) * BITS / 8));
+    const Codes words = __ldcg(reinterpret_cast<const Codes*>(row + t * LANE_DIMS * BITS / 8));
+    if constexpr (sizeof(Codes) == 16) {
+      out.words[0] = words.x, out.words[1] = words.y, out.words[2] = words.z, out.words[3] = words.w;
+    } else if constexpr (sizeof(Codes) == 8) {
+      out.words[0] = words.x, out.words[1] = words.y;
+    } else {
+      out.words[0] = words;
     }
-    out.scales = __ldcg(reinterpret_cast<const Groups*>(scales + slot * PARTS));
-    out.biases = __ldcg(reinterpret_cast<const Groups*>(biases + slot * PARTS));
+    const size_t group = slot * PARTS + t * LANE_DIMS / 32;
+    out.scale = __ldcg(reinterpret_cast<const unsigned short*>(scales + group));
+    out.bias = __ldcg(reinterpret_cast<const unsigned short*>(biases + group));
   }
 
   __device__ static uint4 halves(const Loaded& in, int e) {
-    // Part e's scale (and bias) in both halves of a pair: bytes 2e and 2e + 1, twice.
-    const int both = 0x1010 + 0x2222 * e;
-    const __half2 scale = as_half2(__byte_perm(static_cast<uint32_t>(in.scales), 0, both));
-    const __half2 bias = as_half2(__byte_perm(static_cast<uint32_t>(in.biases), 0, both));
+    const __half2 scale = as_half2(__byte_perm(in.scale, 0, 0x1010));
+    const __half2 bias = as_half2(__byte_perm(in.bias, 0, 0x1010));
     uint32_t pair[4];
     if constexpr (BITS == 8) {
-      // Bytes 2m and 2m + 1 of the lane's codes, each under the byte 0x64.
-      const uint2 w = in.part[e];
-      pair[0] = __byte_perm(w.x, 0x64, 0x4140);
-      pair[1] = __byte_perm(w.x, 0x64, 0x4342);
-      pair[2] = __byte_perm(w.y, 0x64, 0x4140);
-      pair[3] = __byte_perm(w.y, 0x64, 0x4342);
+      // Bytes 2m and 2m + 1 of the part's codes, each under the byte 0x64.
+      pair[0] = __byte_perm(in.words[2 * e], 0x64, 0x4140);
+      pair[1] = __byte_perm(in.words[2 * e], 0x64, 0x4342);
+      pair[2] = __byte_perm(in.words[2 * e + 1], 0x64, 0x4140);
+      pair[3] = __byte_perm(in.words[2 * e + 1], 0x64, 0x4342);
     } else {
-      const uint32_t w = in.part[e];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        pair[m] = (w >> (8 * m) & 0xFu) | (w >> (8 * m + 4) & 0xFu) << 16 | 0x64006400u;
+        pair[m] = float16_codes(in.words[e] >> 4 * m);
       }
     }
     const __half2 offset = as_half2(0x64006400u);
@@ -1245,13 +1288,13 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // QH to 15 zero, their results unused) and 8 slots the columns of a product, so 32 slots are 16
 // products for their scores and 16 for their values, where attention_run has a lane score its slot
 // by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order
-// is free as long as both operands follow it: within each 32 dims, lane t of a quad holds dims 8t
-// .. 8t + 7 of a query and of a key (its first k step takes dims 8t .. 8t + 3, the second 8t + 4 ..
-// 8t + 7), so a lane reads those dims of a key row together. Values are read the same way, as rows
-// of 8x8 matrices (slots by dims), and made B operands by movmatrix's transpose; the output's
-// columns follow, lane t of a quad ending with dims 8t .. 8t + 7 of each 32 of its head. Scores and
-// the online softmax stay in the products' accumulators; a head's largest score and sum take two
-// shuffles across its quad. A step takes 4 groups of 8 slots, each lane a key and a value row of
+// is free as long as both operands follow it: lane t of a quad holds the same 8 dims of each part of
+// a query and of a key (the key rows' part_of), its first k step a part's pairs 0 and 1, the second
+// pairs 2 and 3 (pair_first), so a lane reads its dims of a key row together, as the cache stores
+// them. Values are read the same way, as rows of 8x8 matrices (slots by dims), and made B operands
+// by movmatrix's transpose; the output's columns follow, lane t of a quad ending with the value
+// rows' dims of each part of its head. Scores and the online softmax stay in the products'
+// accumulators; a head's largest score and sum take two shuffles across its quad. A step takes 4 groups of 8 slots, each lane a key and a value row of
 // each. The next step's keys are loaded once this step's are scored, its values once this step's
 // are added: one sequence at depth 8,192 decoded 1.13x as fast as with each step's rows loaded at
 // its start, though ptxas spills 120 bytes a thread for it (docs/benchmarks.md, "One sequence's
@@ -1301,10 +1344,11 @@ __device__ void tensor_attention_run(const float* q, const KeyRows& keys, const 
   uint32_t query[PARTS][4];
 #pragma unroll
   for (int e = 0; e < PARTS; ++e) {
-    const float* dims = q + g * HEAD_DIM + 32 * e + 8 * t;
+    const float* dims = KeyRows::part_of(q + g * HEAD_DIM, t, e);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      query[e][i] = g < QH ? half_pair(dims[2 * i], dims[2 * i + 1]) : 0u;
+      const int first = KeyRows::pair_first(i);
+      query[e][i] = g < QH ? half_pair(dims[first], dims[first + KeyRows::PAIR_SPREAD]) : 0u;
     }
   }
   float running_max = negative_infinity(), sum_exp = 0.0f, acc[PARTS][4][2];
@@ -1384,12 +1428,19 @@ __device__ void tensor_attention_run(const float* q, const KeyRows& keys, const 
     float* head_out = out + g * out_stride;
 #pragma unroll
     for (int e = 0; e < PARTS; ++e) {
-      // float2: a run's partials are HEAD_DIM + 2 floats apart, so only 8-byte aligned.
-      float2* dims = reinterpret_cast<float2*>(head_out + 32 * e + 8 * t);
+      float* dims = ValueRows::part_of(head_out, t, e);
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        dims[m] = whole ? make_float2(acc[e][m][0] / sum_exp, acc[e][m][1] / sum_exp)
-                        : make_float2(acc[e][m][0], acc[e][m][1]);
+        const float y0 = whole ? acc[e][m][0] / sum_exp : acc[e][m][0];
+        const float y1 = whole ? acc[e][m][1] / sum_exp : acc[e][m][1];
+        const int first = ValueRows::pair_first(m);
+        if constexpr (ValueRows::PAIR_SPREAD == 1) {
+          // float2: a run's partials are HEAD_DIM + 2 floats apart, so only 8-byte aligned.
+          *reinterpret_cast<float2*>(dims + first) = make_float2(y0, y1);
+        } else {
+          dims[first] = y0;
+          dims[first + ValueRows::PAIR_SPREAD] = y1;
+        }
       }
     }
     if (!whole && t == 0) {
