@@ -1288,21 +1288,22 @@ __device__ void combine_runs(const float* partials, int splits, float* out) {
 // QH to 15 zero, their results unused) and 8 slots the columns of a product, so 32 slots are 16
 // products for their scores and 16 for their values, where attention_run has a lane score its slot
 // by HEAD_DIM multiply-adds a head and take every slot's weight by a shuffle. A product's k order
-// is free as long as both operands follow it: lane t of a quad holds the same 8 dims of each part of
-// a query and of a key (the key rows' part_of), its first k step a part's pairs 0 and 1, the second
-// pairs 2 and 3 (pair_first), so a lane reads its dims of a key row together, as the cache stores
-// them. Values are read the same way, as rows of 8x8 matrices (slots by dims), and made B operands
-// by movmatrix's transpose; the output's columns follow, lane t of a quad ending with the value
-// rows' dims of each part of its head. Scores and the online softmax stay in the products'
-// accumulators; a head's largest score and sum take two shuffles across its quad. A step takes 4 groups of 8 slots, each lane a key and a value row of
-// each. The next step's keys are loaded once this step's are scored, its values once this step's
-// are added: one sequence at depth 8,192 decoded 1.13x as fast as with each step's rows loaded at
-// its start, though ptxas spills 120 bytes a thread for it (docs/benchmarks.md, "One sequence's
-// attention on tensor cores"); over an 8- or 4-bit cache one sequence at depth 8,192 decoded 1.18x
-// as fast as through attention_run, level with the plain cache ("Quantized caches on tensor
-// cores"). Heads of up to 64 dims (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows would spill far
-// more, and attention_run takes them. layer_kernel only: in batch_layer_kernel,
-// whose runs are longer and whose registers are fewer, it decoded slower than attention_run.
+// is free as long as both operands follow it: lane t of a quad holds the same 8 dims of each part
+// of a query and of a key (the key rows' part_of), its first k step a part's pairs 0 and 1, the
+// second pairs 2 and 3 (pair_first), so a lane reads its dims of a key row together, as the cache
+// stores them. Values are read the same way, as rows of 8x8 matrices (slots by dims), and made B
+// operands by movmatrix's transpose; the output's columns follow, lane t of a quad ending with the
+// value rows' dims of each part of its head. Scores and the online softmax stay in the products'
+// accumulators; a head's largest score and sum take two shuffles across its quad. A step takes 4
+// groups of 8 slots, each lane a key and a value row of each. The next step's keys are loaded once
+// this step's are scored, its values once this step's are added: one sequence at depth 8,192
+// decoded 1.13x as fast as with each step's rows loaded at its start, though ptxas spills 120 bytes
+// a thread for it (docs/benchmarks.md, "One sequence's attention on tensor cores"); over an 8- or
+// 4-bit cache one sequence at depth 8,192 decoded 1.18x as fast as through attention_run, level
+// with the plain cache ("Quantized caches on tensor cores"). Heads of up to 64 dims
+// (TENSOR_RUNS_MAX_HEAD_DIM): for 128 the rows would spill far more, and attention_run takes them.
+// layer_kernel only: in batch_layer_kernel, whose runs are longer and whose registers are fewer, it
+// decoded slower than attention_run.
 __device__ inline uint32_t half_pair(float lo, float hi) {
   const __half2 pair = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&pair);
