@@ -128,11 +128,29 @@ def test_kernel_step_with_two_head_groups_a_kv_head(tinyllama):
 @on_cuda
 def test_kernel_step_with_runs_of_several_steps(tinyllama):
     """On one block, TinyLlama's 8 head groups at 2,000 cached slots are one team each, taken in
-    turn: 16 runs of 4 chunks a group, each run's next rows loaded while it computes a step."""
+    turn: 16 runs of 4 chunks a group (the last of 3), each run's next rows loaded while it computes
+    a step."""
     model = tinyllama.model
     step = KernelStep(model, model.decode_step.fallback, 1, device_limits()[1])
     ids = np.random.default_rng(5).integers(3, tinyllama.config.vocab_size, 2000).tolist()
     assert_steps_match(model, step, ids)
+
+
+@on_cuda
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_kernel_step_with_more_chunks_than_warps(tinyllama, kv_bits):
+    """On one block a head group has one team of 16 warps (15 runs beside a quantized cache's new
+    slot, a run of its own), as at depth 8,192 on a GPU of 132 SMs it has 16 teams: at 520 to 531
+    cached slots, 17 chunks, more than its runs may be, so they are 9 runs of two chunks (the last
+    of one)."""
+    model = tinyllama.model
+    model.store_kv_quantized(kv_bits and KVQuantization(kv_bits))
+    try:
+        step = KernelStep(model, model.decode_step.fallback, 1, device_limits()[1])
+        ids = np.random.default_rng(6).integers(3, tinyllama.config.vocab_size, 520).tolist()
+        assert_steps_match(model, step, ids)
+    finally:
+        model.store_kv_quantized(None)
 
 
 @on_cuda
