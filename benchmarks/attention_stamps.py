@@ -1,6 +1,6 @@
 """Where one attention item's time goes inside a layer_kernel launch (CUDA only): cycle stamps in its runs.
 
-    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8]
+    python benchmarks/attention_stamps.py MODEL.gguf [--positions 100,1024] [--kv-bits 8] [--source VARIANT.cu]
     python benchmarks/attention_stamps.py --header-only > stamped.cu   # to compile-check it
 
 Builds the one-sequence kernel step from a copy of the kernels' source in which lane 0 of the warp that
@@ -11,7 +11,8 @@ last of --positions and at each prints, as medians over the layers, each phase's
 the item's start. A position whose group has one run shows it as the last run only; a phase the warp
 did not reach is left out (a group of one team has no arrival nor cross-team combining, and only the
 last team done combines; a run on tensor cores, tensor_attention_run's, has no new slot or finish
-phase, and its "chunk" is a step of 32 slots).
+phase, and its "chunk" is a step of 32 slots). --source stamps another copy of decode_step.cu, as
+layer_timeline.py's does.
 """
 
 from __future__ import annotations

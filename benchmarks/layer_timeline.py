@@ -1,6 +1,6 @@
 """Where a layer_kernel launch's time goes (CUDA only): when the blocks reach and leave each grid barrier.
 
-    python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199] [--kv-bits 8|4]
+    python benchmarks/layer_timeline.py MODEL.gguf [--positions 10,100,199] [--kv-bits 8|4] [--source VARIANT.cu]
     python benchmarks/layer_timeline.py --header-only > timed.cu   # to compile-check it (nvcc, NVRTC)
 
 Builds the model's kernel step (mlxllama.cuda) from a copy of decode_step.cu in which thread 0 of
@@ -9,11 +9,14 @@ reaching and on leaving each of the four grid barriers, and at the end. It decod
 last of --positions and at each prints, as medians over the layers, in µs from the first
 block's start: each step's start (the last block's departure from the barrier before it), its
 first and last block's arrival at the barrier after it; and the gap between layer launches.
+--source times another copy of decode_step.cu (a variant under study, as attention_depth.py
+--sources takes it) instead of the shipped one.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -24,6 +27,8 @@ from mlxllama.cache import KVQuantization
 from mlxllama.cuda import kernels
 from mlxllama.cuda.step import device_limits
 from mlxllama.errors import MlxLlamaError
+
+import attention_depth  # benchmarks/, this script's folder: the kernels built from another source
 
 STAMPS = 10  # start, 4 barriers x (arrival, departure), end
 STEPS = ["1 norm + Q/K/V + RoPE", "2 attention", "3 output projection", "4 norm + gate/up", "5 SiLU + down"]
@@ -97,11 +102,16 @@ def arguments(doc: str, positions: str, **switches: str) -> argparse.Namespace:
     parser.add_argument("--positions", default=positions)
     parser.add_argument("--kv-bits", type=int, help="keys and values stored quantized (mlxllama's --kv-bits)")
     parser.add_argument("--header-only", action="store_true", help="print the instrumented kernel source and exit")
+    parser.add_argument("--source", help="a copy of decode_step.cu to build the kernels from instead of the shipped one")
     for name, help in switches.items():
         parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help)
     args = parser.parse_args()
     if not args.header_only and args.model is None:
         parser.error("MODEL is required")
+    if args.source:
+        if not Path(args.source).is_file():
+            parser.error(f"no such file: {args.source}")
+        attention_depth.use(**dict(attention_depth.SHIPPED, source=args.source))
     return args
 
 

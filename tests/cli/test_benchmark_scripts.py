@@ -31,6 +31,18 @@ def test_layer_timeline_stamps_the_start_each_barrier_and_the_end_of_the_layer_k
     assert body.count("grid_barrier(arrivals);") == 4
 
 
+def test_layer_timeline_times_another_source_given(tmp_path):
+    variant = tmp_path / "variant.cu"
+    variant.write_text((REPO / "mlxllama/cuda/decode_step.cu").read_text().replace(
+        "constexpr int LAYER_THREADS", "constexpr int A_VARIANT = 1;\nconstexpr int LAYER_THREADS", 1))
+    assert "A_VARIANT" not in run_script("benchmarks/layer_timeline.py", "--header-only")
+    timed = run_script("benchmarks/layer_timeline.py", "--header-only", "--source", str(variant))
+    assert "constexpr int A_VARIANT = 1;" in timed and timed.count("grid_barrier(arrivals);") == 4
+    missing = subprocess.run([sys.executable, "benchmarks/layer_timeline.py", "--header-only", "--source",
+                              str(tmp_path / "none.cu")], cwd=REPO, capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file" in missing.stderr.splitlines()[-1]
+
+
 def test_attention_stamps_mark_each_phase_of_a_team_item_in_order():
     stamped = run_script("benchmarks/attention_stamps.py", "--header-only")
     team = stamped.split("__device__ void team_attention(")[1].split("__device__ void reset_runs_done(")[0]
