@@ -184,6 +184,40 @@ __device__ inline float field(const uint32_t* words, int j) {
   return small_float(v & ((1u << BITS) - 1));
 }
 
+// Prescaled codes: with the staged input divided by 16^k at value j of each group (k = j % 8, less 5
+// from the sixth value of a word on; prescale_staged), a 4-bit code is read from its word in place:
+// masked, with 2^23's exponent or-ed in, as one instruction (masked_or), then 2^23 subtracted, which
+// gives q * 16^k exactly. Against field's shift, mask, or and subtraction that is a weight's code in
+// two instructions instead of four (and a shift a word for its last three values); the products
+// are the same bit for bit, 16^k being a power of two.
+__device__ inline uint32_t masked_or(uint32_t w, uint32_t mask, uint32_t bits) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(w), "r"(mask), "r"(bits));
+  return out;
+}
+
+__device__ inline int prescale_place(int j) {
+  const int n = j % 8;
+  return n < 5 ? n : n - 5;
+}
+
+// Value j of a group of 4-bit codes times 16^prescale_place(j) (indices compile-time once unrolled).
+__device__ inline float prescaled_field(const uint32_t* words, int j) {
+  const int n = j % 8;
+  const uint32_t w = n < 5 ? words[j / 8] : words[j / 8] >> 20;
+  return __uint_as_float(masked_or(w, 0xFu << (4 * prescale_place(j)), 0x4B000000u)) - 8388608.0f;
+}
+
+// The staged input [K] divided for prescaled codes, after its group sums (which stay the sums of
+// the values themselves) were taken.
+template <int K, int NT>
+__device__ void prescale_staged(float* smem) {
+  for (int k = threadIdx.x; k < K; k += NT) {
+    staged(smem, k) *= __uint_as_float(static_cast<uint32_t>(127 - 4 * prescale_place(k % GROUP)) << 23);
+  }
+  __syncthreads();
+}
+
 // Group g of the staged input in registers, in four-value loads.
 __device__ inline void staged_group(const float* smem, int g, float (&x)[GROUP]) {
   const float4* xg = reinterpret_cast<const float4*>(smem + g * GROUP_STRIDE);
@@ -197,8 +231,9 @@ __device__ inline void staged_group(const float* smem, int g, float (&x)[GROUP])
 // out[r] = row rows[r] of an affine matrix with K columns times the staged input, for R rows at
 // once, in every lane. A lane takes groups lane, lane + 32, ...; it loads the words, scales and
 // biases of up to BATCH of its groups for all R rows (8 groups in all) before it computes, so
-// those loads are in flight together.
-template <int BITS, bool STORED_BIASES, int K, int R, typename S>
+// those loads are in flight together. PRESCALED (4-bit codes only): the input was staged divided
+// for prescaled_field.
+template <int BITS, bool STORED_BIASES, int K, int R, bool PRESCALED = false, typename S>
 __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, const int* rows, const float* smem,
                          float* out) {
   constexpr int groups = K / GROUP, per_lane = (groups + 31) / 32, most = 8 / R > 0 ? 8 / R : 1;
@@ -238,7 +273,12 @@ __device__ void rows_dot(const uint32_t* w, const S* scales, const S* biases, co
           float dot = 0.0f;
 #pragma unroll
           for (int j = 0; j < GROUP; ++j) {
-            dot += x[j] * field<BITS>(words[b][r], j);
+            if constexpr (PRESCALED) {
+              static_assert(BITS == 4, "prescaled codes are 4-bit");
+              dot += x[j] * prescaled_field(words[b][r], j);
+            } else {
+              dot += x[j] * field<BITS>(words[b][r], j);
+            }
           }
           acc[r] += scale[b][r] * dot + bias[b][r] * gsum[g];
         }
@@ -1774,10 +1814,16 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   grid_barrier(arrivals);
   reset_runs_done<HEADS, KV_HEADS, FEWER_HEADS>(1, teams_done);
 
+  // Where a step's matrices are all 4-bit, its staged input is divided for their prescaled codes.
+  constexpr bool O_PRESCALED = O_BITS == 4, FFN_PRESCALED = GATE_BITS == 4 && UP_BITS == 4;
+  constexpr bool DOWN_PRESCALED = DOWN_BITS == 4;
   stage_input<false, HEADS * HEAD_DIM, LAYER_THREADS>(attn, attn_norm, 0.0f, smem);
+  if constexpr (O_PRESCALED) {
+    prescale_staged<HEADS * HEAD_DIM, LAYER_THREADS>(smem);
+  }
   for (int row = warp; row < HIDDEN; row += warps) {
     float dot;
-    rows_dot<O_BITS, O_BIASES, HEADS * HEAD_DIM, 1>(w_o, s_o, b_o, &row, smem, &dot);
+    rows_dot<O_BITS, O_BIASES, HEADS * HEAD_DIM, 1, O_PRESCALED>(w_o, s_o, b_o, &row, smem, &dot);
     if (lane == 0) {
       h[row] = x[row] + dot;
     }
@@ -1786,6 +1832,9 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
 
   // Gate and up rows as separate items of FFN_ROWS rows each, whose loads a warp issues together.
   stage_input<true, HIDDEN, LAYER_THREADS>(h, ffn_norm, eps[0], smem);
+  if constexpr (FFN_PRESCALED) {
+    prescale_staged<HIDDEN, LAYER_THREADS>(smem);
+  }
   constexpr int ffn_items = (FFN + FFN_ROWS - 1) / FFN_ROWS;
   for (int item = warp; item < 2 * ffn_items; item += warps) {
     const bool is_up = item >= ffn_items;
@@ -1794,9 +1843,9 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
     rows_from<FFN_ROWS>(first, FFN, rows);
     float out[FFN_ROWS];
     if (is_up) {
-      rows_dot<UP_BITS, UP_BIASES, HIDDEN, FFN_ROWS>(w_up, s_up, b_up, rows, smem, out);
+      rows_dot<UP_BITS, UP_BIASES, HIDDEN, FFN_ROWS, FFN_PRESCALED>(w_up, s_up, b_up, rows, smem, out);
     } else {
-      rows_dot<GATE_BITS, GATE_BIASES, HIDDEN, FFN_ROWS>(w_gate, s_gate, b_gate, rows, smem, out);
+      rows_dot<GATE_BITS, GATE_BIASES, HIDDEN, FFN_ROWS, FFN_PRESCALED>(w_gate, s_gate, b_gate, rows, smem, out);
     }
     if (lane == 0) {
 #pragma unroll
@@ -1810,9 +1859,12 @@ __device__ void layer_kernel(const float* x, const N* attn_norm, const float* ep
   grid_barrier(arrivals);
 
   stage_swiglu<FFN, LAYER_THREADS>(gate, up, smem);
+  if constexpr (DOWN_PRESCALED) {
+    prescale_staged<FFN, LAYER_THREADS>(smem);
+  }
   for (int row = warp; row < HIDDEN; row += warps) {
     float dot;
-    rows_dot<DOWN_BITS, DOWN_BIASES, FFN, 1>(w_down, s_down, b_down, &row, smem, &dot);
+    rows_dot<DOWN_BITS, DOWN_BIASES, FFN, 1, DOWN_PRESCALED>(w_down, s_down, b_down, &row, smem, &dot);
     if (lane == 0) {
       y[row] = load_fresh(h + row) + dot;
     }
