@@ -8,16 +8,23 @@
 //
 // Each launch is one step on one SM-wide grid (a block of 512 threads an SM, as layer_kernel), over
 // one of 8 copies of the weights in turn (115 MB for gate and up, more than L2 holds), so that the
-// weights come from memory as a step's do. Back-to-back launches of this grid cost about 4 us
-// however little they do ("empty kernel"), so only what a variant takes above that is its own.
+// weights come from memory as a step's do. The launches are timed as a CUDA graph of 64, in which a
+// launch that does nothing costs about 0.6 us ("empty kernel"); launched one by one they cost about
+// 4 us each however little they did, which hid what a variant takes.
 // Variants (rows R a unit, groups G a lane a unit):
-// - shipped: the layer kernel's loops and rows_dot as committed;
+// - shipped: the layer kernel's loops and rows_dot as committed; "prescaled codes": rows_dot's
+//   prescaled codes, as layer_kernel reads 4-bit matrices (the input divided by prescale_staged);
 // - units: a warp's rows cut into units of R rows and G of a lane's groups; "prefetch" issues the
 //   next unit's loads before it computes the current one, so that loads and arithmetic overlap;
 //   "early loads": the first unit's before the input is staged;
 // - fused, prescaled: fewer instructions a code (Codes, below);
 // - copied: a block's share of the rows copied to shared memory (cp.async) before the input is
 //   staged, all in flight at once, in 1 to 4 phases computed as they arrive;
+// - bulk: a block's share of the rows moved to shared memory by sm_90's bulk copies (a few
+//   instructions of one thread, no registers), in phases each counted by an mbarrier, computed
+//   with rows_dot as each phase arrives; "bulk copies only": the copies without the products;
+// - tensor cores: bulk copies a row each into padded rows, then mma.sync as decode_batch.cu's
+//   tile_dot takes one input in every column (TileRows);
 // - paired scales: each group's scale and bias loaded as one 4-byte pair (Scales);
 // - loads only, words streamed: the bytes alone, the first with the products' loads (with the
 //   scales and biases, paired, or the words alone), the second by a plain streaming loop.
@@ -28,6 +35,7 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 #include "../mlxllama/cuda/decode_step.cu"
+#include "../mlxllama/cuda/decode_batch.cu"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -50,13 +58,6 @@ enum Scales { SEPARATE, PAIRED, NO_SCALES };
 __device__ inline float input_prescale(int j) {
   const int n = j % 8, k = n < 5 ? n : n - 5;
   return 1.0f / static_cast<float>(1 << (4 * k));
-}
-
-// (w & mask) | bits in one instruction: the compiler, given two constants, spends two.
-__device__ inline uint32_t masked_or(uint32_t w, uint32_t mask, uint32_t bits) {
-  uint32_t out;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(w), "r"(mask), "r"(bits));
-  return out;
 }
 
 // How a code becomes a float. FIELD: decode_step.cu's field (a shift, a mask, an or and a
@@ -305,7 +306,299 @@ __device__ void copied_products(const Rows& rows, float* smem, float* sums, Out 
   }
 }
 
-enum Variant { SHIPPED, UNITS, LOADS, COPIED };
+// ---------------------------------------------------------------------------------------------
+// Bulk copies (sm_90's tensor memory accelerator): a block's rows of a matrix pair moved to shared
+// memory by a few instructions of one thread, no registers, all in flight at once; phase p's
+// arrival counted by mbarrier p, which the warps computing its rows wait on.
+
+__device__ inline unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ inline void barrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+}
+
+__device__ inline void expect_bytes(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ inline void bulk_copy(void* to, const void* from, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(to)),
+               "l"(from), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+}
+
+__device__ inline void wait_phase(uint64_t* bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// A block's share [begin, end) of the rows of a matrix pair (`first`'s ROWS rows, then `second`'s)
+// in shared memory at `at`: words [rows][K / 32 * BITS], scales and (BIASES) biases [rows][K / GROUP],
+// local row i being row begin + i; copied in phases of PHASE_ROWS rows, each its own mbarrier.
+template <int BITS, bool BIASES, int K, int ROWS, int MAX_ROWS, int PHASE_ROWS>
+struct BulkRows {
+  static constexpr int words = K / 32 * BITS, groups = K / GROUP, MAX_PHASES = (MAX_ROWS + PHASE_ROWS - 1) / PHASE_ROWS;
+  uint32_t* w;
+  __half* scales;
+  __half* biases;
+  uint64_t* bars;
+  int begin, count;
+
+  __device__ BulkRows(float* at, int total) {
+    begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
+    count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+    bars = reinterpret_cast<uint64_t*>(at);
+    w = reinterpret_cast<uint32_t*>(bars + 2 * MAX_PHASES);
+    scales = reinterpret_cast<__half*>(w + MAX_ROWS * words);
+    biases = scales + MAX_ROWS * groups;
+  }
+  __host__ __device__ static constexpr int floats() {
+    return 4 * MAX_PHASES + MAX_ROWS * (words + groups * (BIASES ? 2 : 1) / 2);
+  }
+
+  // Thread 0 of the block: every phase's copies issued (the others wait for the barriers' init).
+  __device__ void copy(const Matrix& first, const Matrix& second) {
+    if (threadIdx.x == 0) {
+      const int phases = (count + PHASE_ROWS - 1) / PHASE_ROWS;
+      for (int p = 0; p < phases; ++p) barrier_init(bars + p);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      for (int p = 0; p < phases; ++p) {
+        const int from = p * PHASE_ROWS, to = min(count, from + PHASE_ROWS);
+        expect_bytes(bars + p, (to - from) * (words * 4 + groups * 2 * (BIASES ? 2 : 1)));
+        for (int a = from; a < to;) {
+          const int row = begin + a, in_first = row < ROWS;
+          const int b = in_first ? min(to, ROWS - begin) : to, local = row % ROWS;
+          const Matrix& m = in_first ? first : second;
+          bulk_copy(w + a * words, m.w + static_cast<size_t>(local) * words, (b - a) * words * 4, bars + p);
+          bulk_copy(scales + a * groups, m.scales + static_cast<size_t>(local) * groups, (b - a) * groups * 2, bars + p);
+          if (BIASES) {
+            bulk_copy(biases + a * groups, m.biases + static_cast<size_t>(local) * groups, (b - a) * groups * 2, bars + p);
+          }
+          a = b;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // Items of R local rows, warp w taking items w, w + LAYER_WARPS, ..., each once its phase is in;
+  // out(row, value) for each of the block's rows.
+  template <int R, typename Out>
+  __device__ void products(const float* smem, Out out) const {
+    static_assert(PHASE_ROWS % R == 0, "an item's rows in one phase");
+    const int items = (count + R - 1) / R;
+    for (int item = threadIdx.x / 32; item < items; item += LAYER_WARPS) {
+      wait_phase(bars + item * R / PHASE_ROWS, 0);
+      int rows[R];
+      rows_from<R>(item * R, count, rows);
+      float values[R];
+      rows_dot<BITS, BIASES, K, R>(w, scales, biases, rows, smem, values);
+      if (threadIdx.x % 32 == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (item * R + r < count) out(begin + item * R + r, values[r]);
+        }
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores for one sequence: a block's rows bulk-copied into shared memory, one row a copy into
+// padded rows (so that the 8 rows a warp's lanes read at once fall in different banks), in tiles of
+// 16 rows, tile p's arrival counted by mbarrier p. Warp w takes the w-th sixteenth of every tile's
+// groups (mma.sync m16n8k16 as decode_batch.cu's tile_dot: every column of B the one input, so each
+// lane holds its rows' sums), and the block adds the warps' partial sums in a fixed order.
+
+// The staged input as float16 pairs in decode_batch.cu's order (blocks of 8 columns: (c0, c4), (c1,
+// c5), (c2, c6), (c3, c7)) and each group's sum of the rounded values, from the float32 staged values.
+template <int K>
+__device__ void stage_pairs(const float* staged_x, __half* xs, float* gsums) {
+  constexpr int blocks = K / 8;
+  for (int b = threadIdx.x; b < (blocks + 31) / 32 * 32; b += blockDim.x) {
+    float sum = 0.0f;
+    uint32_t pairs[4];
+    if (b < blocks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __half2 h = __floats2half2_rn(staged_x[(8 * b + i) / GROUP * GROUP_STRIDE + (8 * b + i) % GROUP],
+                                            staged_x[(8 * b + i + 4) / GROUP * GROUP_STRIDE + (8 * b + i + 4) % GROUP]);
+        const float2 r = __half22float2(h);
+        sum += r.x + r.y;
+        pairs[i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    if (b < blocks) {
+      *reinterpret_cast<uint4*>(xs + 8 * b) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      if (b % 4 == 0) gsums[b / 4] = sum;
+    }
+  }
+  __syncthreads();
+}
+
+template <int BITS, bool BIASES, int K, int ROWS, int MAX_TILES>
+struct TileRows {
+  static_assert(BITS == 4, "a lane's word of a group: 4-bit codes");
+  static constexpr int words = K / 32 * BITS, stride = words + BITS, groups = K / GROUP;
+  static constexpr int scale_stride = groups + 8;  // halves: 16 bytes of padding a row
+  uint32_t* w;
+  __half* scales;
+  __half* biases;
+  uint64_t* bars;
+  float* red;
+  int begin, count;
+
+  __device__ TileRows(float* at, int total) {
+    begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
+    count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+    bars = reinterpret_cast<uint64_t*>(at);
+    red = at + 4 * MAX_TILES;  // the barriers, rounded up to 16 bytes
+    w = reinterpret_cast<uint32_t*>(red + MAX_TILES * LAYER_WARPS * 16);
+    scales = reinterpret_cast<__half*>(w + MAX_TILES * 16 * stride);
+    biases = scales + MAX_TILES * 16 * scale_stride;
+  }
+  __host__ __device__ static constexpr int floats() {
+    return 4 * MAX_TILES + MAX_TILES * LAYER_WARPS * 16 + MAX_TILES * 16 * (stride + scale_stride * (BIASES ? 2 : 1) / 2);
+  }
+
+  // Warp 0: every tile's rows copied, a row a copy from each lane in turn.
+  __device__ void copy(const Matrix& first, const Matrix& second) {
+    const int tiles = (count + 15) / 16, lane = threadIdx.x % 32;
+    constexpr unsigned row_bytes = words * 4 + groups * 2 * (BIASES ? 2 : 1);
+    if (threadIdx.x < 32) {
+      if (lane == 0) {
+        for (int p = 0; p < tiles; ++p) barrier_init(bars + p);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int p = 0; p < tiles; ++p) expect_bytes(bars + p, min(16, count - 16 * p) * row_bytes);
+      }
+      __syncwarp();
+      for (int local = lane; local < count; local += 32) {
+        const int row = begin + local, in_first = row < ROWS;
+        const Matrix& m = in_first ? first : second;
+        const size_t r = row % ROWS;
+        uint64_t* bar = bars + local / 16;
+        bulk_copy(w + local * stride, m.w + r * words, words * 4, bar);
+        bulk_copy(scales + local * scale_stride, m.scales + r * groups, groups * 2, bar);
+        if (BIASES) bulk_copy(biases + local * scale_stride, m.biases + r * groups, groups * 2, bar);
+      }
+    }
+    __syncthreads();
+  }
+
+  // out(row, value) for each of the block's rows; xs and gsums as stage_pairs leaves them.
+  template <typename Out>
+  __device__ void products(const __half* xs, const float* gsums, Out out) const {
+    const int tiles = (count + 15) / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4, n = lane / 4;
+    const int g0 = warp * groups / LAYER_WARPS, g1 = (warp + 1) * groups / LAYER_WARPS;
+    for (int p = 0; p < tiles; ++p) {
+      wait_phase(bars + p, 0);
+      const int row_a = 16 * p + n, row_b = row_a + 8;
+      const uint32_t* wa = w + row_a * stride;
+      const uint32_t* wb = w + row_b * stride;
+      float acc_a = 0.0f, acc_b = 0.0f;
+#pragma unroll 4
+      for (int g = g0; g < g1; ++g) {
+        const uint32_t raw_a[2] = {wa[g * 4 + t], 0}, raw_b[2] = {wb[g * 4 + t], 0};
+        uint32_t pa[4], pb[4];
+        lane_pairs<BITS>(raw_a, t, pa);
+        lane_pairs<BITS>(raw_b, t, pb);
+        const uint32_t a_lo[4] = {pa[0], pb[0], pa[1], pb[1]}, a_hi[4] = {pa[2], pb[2], pa[3], pb[3]};
+        const uint4 x = *reinterpret_cast<const uint4*>(xs + g * GROUP + 8 * t);
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_16816(c, a_lo, x.x, x.y);
+        mma_16816(c, a_hi, x.z, x.w);
+        const float sa = __half2float(scales[row_a * scale_stride + g]), sb = __half2float(scales[row_b * scale_stride + g]);
+        const float ba = BIASES ? __half2float(biases[row_a * scale_stride + g]) : -128.0f * sa;
+        const float bb = BIASES ? __half2float(biases[row_b * scale_stride + g]) : -128.0f * sb;
+        acc_a += sa * c[0] + ba * gsums[g];
+        acc_b += sb * c[2] + bb * gsums[g];
+      }
+      if (t == 0) {
+        red[(p * LAYER_WARPS + warp) * 16 + n] = acc_a;
+        red[(p * LAYER_WARPS + warp) * 16 + n + 8] = acc_b;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+      const int p = i / 16, r = i % 16;
+      float total = 0.0f;
+      for (int v = 0; v < LAYER_WARPS; ++v) total += red[(p * LAYER_WARPS + v) * 16 + r];
+      out(begin + i, total);
+    }
+  }
+};
+
+constexpr int TILE_GATE_UP = 6;
+// Shared memory of the tile kernels: the staged input (float32), its float16 pairs and their group
+// sums, then TileRows.
+constexpr int TILE_X_FLOATS = FFN / GROUP * (GROUP_STRIDE + 1) + LAYER_WARPS + 64 + FFN / 2 + FFN / GROUP;
+
+__device__ inline __half* pairs_at(float* smem) {
+  return reinterpret_cast<__half*>(smem + FFN / GROUP * (GROUP_STRIDE + 1) + LAYER_WARPS + 64);
+}
+
+__global__ void gate_up_tiles(const float* x, const __half* norm, Matrix gate_w, Matrix up_w, float* gate, float* up) {
+  float* smem = shared_floats();
+  TileRows<4, true, HIDDEN, FFN, TILE_GATE_UP> rows(smem + TILE_X_FLOATS, 2 * FFN);
+  rows.copy(gate_w, up_w);
+  stage_input<true, HIDDEN, LAYER_THREADS>(x, norm, 1e-5f, smem);
+  __half* xs = pairs_at(smem);
+  float* gsums = reinterpret_cast<float*>(xs + FFN);
+  stage_pairs<HIDDEN>(smem, xs, gsums);
+  rows.products(xs, gsums, [&](int row, float v) { (row < FFN ? gate : up)[row % FFN] = v; });
+}
+
+// Rows a block takes at most in the bulk kernels (132 SMs: 86 and 16).
+constexpr int BULK_GATE_UP_ROWS = 96, BULK_DOWN_ROWS = 20;
+
+// Step 4 with the block's rows bulk-copied into shared memory before the input is staged; only the
+// copies ("bulk copies only") to time the bytes' arrival.
+template <int PHASE_ROWS, int R, bool COMPUTE = true>
+__global__ void gate_up_bulk(const float* x, const __half* norm, Matrix gate_w, Matrix up_w, float* gate, float* up) {
+  float* smem = shared_floats();
+  BulkRows<4, true, HIDDEN, FFN, BULK_GATE_UP_ROWS, PHASE_ROWS> rows(smem + 2560, 2 * FFN);
+  rows.copy(gate_w, up_w);
+  if (!COMPUTE) {
+    const int phases = (rows.count + PHASE_ROWS - 1) / PHASE_ROWS;
+    for (int p = 0; p < phases; ++p) wait_phase(rows.bars + p, 0);
+    if (threadIdx.x == 0 && rows.w[threadIdx.x] == 0x12345678u) gate[0] = 1.0f;
+    return;
+  }
+  stage_input<true, HIDDEN, LAYER_THREADS>(x, norm, 1e-5f, smem);
+  rows.template products<R>(smem, [&](int row, float v) { (row < FFN ? gate : up)[row % FFN] = v; });
+}
+
+// Step 5 likewise.
+template <int PHASE_ROWS, bool COMPUTE = true>
+__global__ void down_bulk(const float* gate, const float* up, Matrix down_w, float* y) {
+  float* smem = shared_floats();
+  BulkRows<8, false, FFN, HIDDEN, BULK_DOWN_ROWS, PHASE_ROWS> rows(smem + 6656, HIDDEN);
+  rows.copy(down_w, down_w);
+  if (!COMPUTE) {
+    const int phases = (rows.count + PHASE_ROWS - 1) / PHASE_ROWS;
+    for (int p = 0; p < phases; ++p) wait_phase(rows.bars + p, 0);
+    if (threadIdx.x == 0 && rows.w[threadIdx.x] == 0x12345678u) y[0] = 1.0f;
+    return;
+  }
+  stage_swiglu<FFN, LAYER_THREADS>(gate, up, smem);
+  rows.template products<1>(smem, [&](int row, float v) { y[row] = v; });
+}
+
+enum Variant { SHIPPED, SHIPPED_PRESCALED, UNITS, LOADS, COPIED };
 
 // Step 4: RMSNorm(x) staged, then gate and up (4-bit, stored biases).
 template <Variant V, int R, int G, bool PREFETCH, Codes C, bool EARLY = false, Scales S = SEPARATE>
@@ -316,7 +609,8 @@ __global__ void gate_up(const float* x, const __half* norm, Matrix gate_w, Matri
     if (C == PRESCALED) prescale_for_codes<HIDDEN>(smem);
   };
   if (V != UNITS) stage();
-  if (V == SHIPPED) {
+  if (V == SHIPPED || V == SHIPPED_PRESCALED) {
+    if (V == SHIPPED_PRESCALED) prescale_staged<HIDDEN, LAYER_THREADS>(smem);
     constexpr int ffn_items = (FFN + SHIPPED_FFN_ROWS - 1) / SHIPPED_FFN_ROWS;
     for (int item = grid_warp(); item < 2 * ffn_items; item += grid_warps()) {
       const bool is_up = item >= ffn_items;
@@ -325,7 +619,7 @@ __global__ void gate_up(const float* x, const __half* norm, Matrix gate_w, Matri
       rows_from<SHIPPED_FFN_ROWS>(first, FFN, rows);
       float out[SHIPPED_FFN_ROWS];
       const Matrix& m = is_up ? up_w : gate_w;
-      rows_dot<4, true, HIDDEN, SHIPPED_FFN_ROWS>(m.w, m.scales, m.biases, rows, smem, out);
+      rows_dot<4, true, HIDDEN, SHIPPED_FFN_ROWS, V == SHIPPED_PRESCALED>(m.w, m.scales, m.biases, rows, smem, out);
       if (threadIdx.x % 32 == 0) {
         for (int r = 0; r < SHIPPED_FFN_ROWS; ++r) {
           if (first + r < FFN) (is_up ? up : gate)[first + r] = out[r];
@@ -534,18 +828,28 @@ int main() {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  // µs a launch: the median of 9 batches of 64 launches, after one batch that loads the module.
+  // µs a launch: the median of 9 launches of a graph of 64, after one that loads the module.
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
   auto time_launches = [&](auto launch) {
     std::vector<float> batches;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+    for (int i = 0; i < 64; ++i) launch(i % COPIES, stream);
+    cudaStreamEndCapture(stream, &graph);
+    cudaGraphInstantiate(&exec, graph, 0);
     for (int b = 0; b < 10; ++b) {
-      cudaEventRecord(start);
-      for (int i = 0; i < 64; ++i) launch(i % COPIES);
-      cudaEventRecord(stop);
+      cudaEventRecord(start, stream);
+      cudaGraphLaunch(exec, stream);
+      cudaEventRecord(stop, stream);
       cudaEventSynchronize(stop);
       float ms;
       cudaEventElapsedTime(&ms, start, stop);
       if (b > 0) batches.push_back(ms * 1000.0f / 64);
     }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
     std::sort(batches.begin(), batches.end());
     return batches[batches.size() / 2];
   };
@@ -553,10 +857,14 @@ int main() {
   std::vector<float> gate_ref, up_ref, y_ref;
   const size_t gate_up_copied_smem = (GATE_UP_X_FLOATS + GateUpRows::floats() + SUMS_FLOATS) * sizeof(float);
   const size_t down_copied_smem = (DOWN_X_FLOATS + DownRows::floats() + SUMS_FLOATS) * sizeof(float);
+  const size_t gate_up_bulk_smem =
+      (2560 + BulkRows<4, true, HIDDEN, FFN, BULK_GATE_UP_ROWS, 1>::floats()) * sizeof(float);
+  const size_t down_bulk_smem = (6656 + BulkRows<8, false, FFN, HIDDEN, BULK_DOWN_ROWS, 1>::floats()) * sizeof(float);
+  const size_t tiles_gate_up_smem = (TILE_X_FLOATS + TileRows<4, true, HIDDEN, FFN, TILE_GATE_UP>::floats()) * 4;
   auto report_gate_up = [&](const char* name, auto kernel, size_t smem = shared_default) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const float us = time_launches([&](int c) {
-      kernel<<<sms, LAYER_THREADS, smem>>>(dx, dnorm, gates[c], ups[c], gate_out, up_out);
+    const float us = time_launches([&](int c, cudaStream_t s) {
+      kernel<<<sms, LAYER_THREADS, smem, s>>>(dx, dnorm, gates[c], ups[c], gate_out, up_out);
     });
     kernel<<<sms, LAYER_THREADS, smem>>>(dx, dnorm, gates[0], ups[0], gate_out, up_out);
     cudaError_t e = cudaDeviceSynchronize();
@@ -571,7 +879,9 @@ int main() {
   };
   auto report_down = [&](const char* name, auto kernel, size_t smem = shared_default) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const float us = time_launches([&](int c) { kernel<<<sms, LAYER_THREADS, smem>>>(dgate, dup, downs[c], y); });
+    const float us = time_launches([&](int c, cudaStream_t s) {
+      kernel<<<sms, LAYER_THREADS, smem, s>>>(dgate, dup, downs[c], y);
+    });
     kernel<<<sms, LAYER_THREADS, smem>>>(dgate, dup, downs[0], y);
     cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
@@ -587,6 +897,7 @@ int main() {
          2.0 * FFN * HIDDEN * (4 / 8.0 + 4.0 / GROUP) / 1e6, 1.0 * FFN * HIDDEN * (8 / 8.0 + 2.0 / GROUP) / 1e6);
   for (int round = 0; round < 2; ++round) {
     report_gate_up("shipped (items of 4 rows)", gate_up<SHIPPED, 4, 2, false, FIELD>);
+    report_gate_up("shipped, prescaled codes", gate_up<SHIPPED_PRESCALED, 4, 2, false, FIELD>);
     report_gate_up("empty kernel", empty);
     report_gate_up("staging only (no products)", staging_only);
     report_gate_up("words streamed, no staging", stream_only);
@@ -605,6 +916,12 @@ int main() {
     report_gate_up("units R2 G2 prefetch prescaled, paired scales", gate_up<UNITS, 2, 2, true, PRESCALED, false, PAIRED>);
     report_gate_up("units R1 G2 prefetch prescaled", gate_up<UNITS, 1, 2, true, PRESCALED>);
     report_gate_up("units R2 G2 prefetch prescaled, early loads", gate_up<UNITS, 2, 2, true, PRESCALED, true>);
+    report_gate_up("bulk copies only", gate_up_bulk<32, 2, false>, gate_up_bulk_smem);
+    report_gate_up("bulk, phases of 32 rows, items of 2", gate_up_bulk<32, 2>, gate_up_bulk_smem);
+    report_gate_up("bulk, phases of 16 rows, items of 2", gate_up_bulk<16, 2>, gate_up_bulk_smem);
+    report_gate_up("bulk, phases of 16 rows, items of 1", gate_up_bulk<16, 1>, gate_up_bulk_smem);
+    report_gate_up("bulk, phases of 64 rows, items of 4", gate_up_bulk<64, 4>, gate_up_bulk_smem);
+    report_gate_up("tensor cores, rows bulk-copied", gate_up_tiles, tiles_gate_up_smem);
     report_gate_up("copied, 1 phase prescaled", gate_up_copied<1, PRESCALED>, gate_up_copied_smem);
     report_gate_up("copied, 2 phases prescaled", gate_up_copied<2, PRESCALED>, gate_up_copied_smem);
     report_gate_up("copied, 4 phases prescaled", gate_up_copied<4, PRESCALED>, gate_up_copied_smem);
@@ -614,6 +931,11 @@ int main() {
     report_down("units G3 prefetch fused", down<UNITS, 3, true, FUSED>);
     report_down("units G2 prefetch fused", down<UNITS, 2, true, FUSED>);
     report_down("units G3 prefetch fused, early loads", down<UNITS, 3, true, FUSED, true>);
+    report_down("bulk copies only", down_bulk<8, false>, down_bulk_smem);
+    report_down("bulk, phases of 8 rows", down_bulk<8>, down_bulk_smem);
+    report_down("bulk, phases of 4 rows", down_bulk<4>, down_bulk_smem);
+    report_down("bulk, phases of 2 rows", down_bulk<2>, down_bulk_smem);
+    report_down("bulk, one phase", down_bulk<20>, down_bulk_smem);
     report_down("copied, 1 phase fused", down_copied<1, 1, FUSED>, down_copied_smem);
     report_down("copied, 2 phases, 2 warps a row, fused", down_copied<2, 2, FUSED>, down_copied_smem);
   }
