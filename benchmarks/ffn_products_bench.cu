@@ -209,6 +209,12 @@ __device__ inline void commit_copies() { asm volatile("cp.async.commit_group;" :
 template <int PENDING>
 __device__ inline void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
+// This block's consecutive share [begin, begin + count) of `total` rows, the grid's shares as even as can be.
+__device__ inline void block_share(int total, int& begin, int& count) {
+  begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
+  count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+}
+
 // A block's share of the rows of a matrix pair (rows [0, ROWS) of `first`, then of `second`), copied
 // into shared memory at `at` in PHASES commit groups of consecutive rows: words [rows][K / 32 * BITS],
 // scales and (BIASES) biases [rows][K / GROUP].
@@ -221,8 +227,7 @@ struct CopiedRows {
   int begin, count;
 
   __device__ CopiedRows(float* at, int total) {
-    begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
-    count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+    block_share(total, begin, count);
     w = reinterpret_cast<uint32_t*>(at);
     scales = reinterpret_cast<__half*>(w + MAX_ROWS * words);
     biases = scales + MAX_ROWS * groups;
@@ -355,8 +360,7 @@ struct BulkRows {
   int begin, count;
 
   __device__ BulkRows(float* at, int total) {
-    begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
-    count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+    block_share(total, begin, count);
     bars = reinterpret_cast<uint64_t*>(at);
     w = reinterpret_cast<uint32_t*>(bars + 2 * MAX_PHASES);
     scales = reinterpret_cast<__half*>(w + MAX_ROWS * words);
@@ -462,8 +466,7 @@ struct TileRows {
   int begin, count;
 
   __device__ TileRows(float* at, int total) {
-    begin = static_cast<int>(static_cast<long long>(blockIdx.x) * total / gridDim.x);
-    count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
+    block_share(total, begin, count);
     bars = reinterpret_cast<uint64_t*>(at);
     red = at + 4 * MAX_TILES;  // the barriers, rounded up to 16 bytes
     w = reinterpret_cast<uint32_t*>(red + MAX_TILES * LAYER_WARPS * 16);
