@@ -54,16 +54,11 @@ struct Matrix {
 // pairs, or nowhere (scale 1, bias 0: to time the words' loads alone).
 enum Scales { SEPARATE, PAIRED, NO_SCALES };
 
-// 16^-k for value j of a group of 4-bit codes: k is the code's nibble in its word as PRESCALED codes read it.
-__device__ inline float input_prescale(int j) {
-  const int n = j % 8, k = n < 5 ? n : n - 5;
-  return 1.0f / static_cast<float>(1 << (4 * k));
-}
-
 // How a code becomes a float. FIELD: decode_step.cu's field (a shift, a mask, an or and a
 // subtraction of 2^23). FUSED: the same values in fewer instructions: the mask and the or as one
 // (masked_or); an 8-bit code by one byte permutation. PRESCALED: 4-bit codes masked in place, with
-// no shift, for an input staged pre-divided by 16^k (input_prescale); 8-bit codes as FUSED.
+// no shift, for an input staged pre-divided by 16^k: decode_step.cu's prescaled_field over the input
+// prescale_staged divides; 8-bit codes as FUSED.
 enum Codes { FIELD, FUSED, PRESCALED };
 
 // Value j of a group's codes as a float: q, or q * 16^k for PRESCALED 4-bit codes.
@@ -78,9 +73,7 @@ __device__ inline float code(const uint32_t* words, int j) {
     return __uint_as_float(masked_or(words[j / 8] >> (4 * (j % 8)), 0xFu, 0x4B000000u)) - 8388608.0f;
   } else {
     static_assert(BITS == 4, "prescaled codes: 4 or 8 bits");
-    const int n = j % 8;
-    const uint32_t w = n < 5 ? words[j / 8] : words[j / 8] >> 20;
-    return __uint_as_float(masked_or(w, 0xFu << (4 * (n < 5 ? n : n - 5)), 0x4B000000u)) - 8388608.0f;
+    return prescaled_field(words, j);
   }
 }
 
@@ -190,13 +183,6 @@ __device__ void warp_units(int items, const float* smem, Rows rows_of, Out out, 
     if (u + 2 < units) take(a, u + 2);
     if (u + 1 < units) finish(b, u + 1);
   }
-}
-
-// The staged input divided by 16^k where PRESCALED 4-bit codes read it (after its group sums are taken).
-template <int K>
-__device__ void prescale_for_codes(float* smem) {
-  for (int k = threadIdx.x; k < K; k += blockDim.x) staged(smem, k) *= input_prescale(k % GROUP);
-  __syncthreads();
 }
 
 // 16 bytes from global to shared memory without registers (cp.async): a block can have all of
@@ -609,7 +595,7 @@ __global__ void gate_up(const float* x, const __half* norm, Matrix gate_w, Matri
   float* smem = shared_floats();
   auto stage = [&] {
     stage_input<true, HIDDEN, LAYER_THREADS>(x, norm, 1e-5f, smem);
-    if (C == PRESCALED) prescale_for_codes<HIDDEN>(smem);
+    if (C == PRESCALED) prescale_staged<HIDDEN, LAYER_THREADS>(smem);
   };
   if (V != UNITS) stage();
   if (V == SHIPPED || V == SHIPPED_PRESCALED) {
@@ -732,7 +718,7 @@ __global__ void gate_up_copied(const float* x, const __half* norm, Matrix gate_w
   GateUpRows rows(smem + GATE_UP_X_FLOATS, 2 * FFN);
   for (int p = 0; p < PHASES; ++p) rows.copy(gate_w, up_w, rows.count * p / PHASES, rows.count * (p + 1) / PHASES);
   stage_input<true, HIDDEN, LAYER_THREADS>(x, norm, 1e-5f, smem);
-  if (C == PRESCALED) prescale_for_codes<HIDDEN>(smem);
+  if (C == PRESCALED) prescale_staged<HIDDEN, LAYER_THREADS>(smem);
   float* sums = smem + GATE_UP_X_FLOATS + GateUpRows::floats();
   copied_products<PHASES, 1, C>(rows, smem, sums, [&](int row, float v) { (row < FFN ? gate : up)[row % FFN] = v; });
 }
