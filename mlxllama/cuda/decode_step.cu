@@ -189,7 +189,8 @@ __device__ inline float field(const uint32_t* words, int j) {
 // masked, with 2^23's exponent or-ed in, as one instruction (masked_or), then 2^23 subtracted, which
 // gives q * 16^k exactly. Against field's shift, mask, or and subtraction that is a weight's code in
 // two instructions instead of four (and a shift a word for its last three values); the products
-// are the same bit for bit, 16^k being a power of two.
+// are the same bit for bit, 16^k being a power of two. masked_or is (w & mask) | bits as one LOP3,
+// which ptxas otherwise splits in two for the two constants.
 __device__ inline uint32_t masked_or(uint32_t w, uint32_t mask, uint32_t bits) {
   uint32_t out;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(w), "r"(mask), "r"(bits));
@@ -572,12 +573,9 @@ __device__ inline uint32_t half2_bits(__half2 pair) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// The low nibbles of bytes 0 and 2 of x as the float16 1024 + code each: one LOP3 ((x & mask) | magic),
-// which ptxas otherwise splits in two for its two constants.
+// The low nibbles of bytes 0 and 2 of x as the float16 1024 + code each: one LOP3 (masked_or).
 __device__ inline uint32_t float16_codes(uint32_t x) {
-  uint32_t out;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(x), "n"(0x000F000F), "n"(0x64006400));
-  return out;
+  return masked_or(x, 0x000F000Fu, 0x64006400u);
 }
 
 // A cache quantized in groups of 32 dims (MLX's affine format along the head): a lane holds
