@@ -573,9 +573,11 @@ __device__ inline uint32_t half2_bits(__half2 pair) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// The low nibbles of bytes 0 and 2 of x as the float16 1024 + code each: one LOP3 (masked_or).
-__device__ inline uint32_t float16_codes(uint32_t x) {
-  return masked_or(x, 0x000F000Fu, 0x64006400u);
+// The float16 pair that pair m of a 4-bit word's codes is placed under (QuantizedTensorRows): an
+// even pair's nibbles are the low ones of their bytes, whose lowest bit the mantissa of 1024
+// (0x6400) makes worth 1; an odd pair's sit a nibble higher, where that of 64 (0x5400) does.
+__device__ constexpr uint32_t nibble_base(int m) {
+  return m % 2 == 0 ? 0x64006400u : 0x54005400u;
 }
 
 // A cache quantized in groups of 32 dims (MLX's affine format along the head): a lane holds
@@ -585,9 +587,9 @@ __device__ inline uint32_t float16_codes(uint32_t x) {
 // the float16 1024 + c when placed in the mantissa of 1024 (0x6400), exactly; 1024 is taken off,
 // also exactly, and scale * c + bias is one fused multiply-add, rounded once to float16
 // (mx.dequantize's values, to within one float16 step). With the 4-bit pairs below, a step over a
-// 4-bit cache is 694 instructions where it was 986, and one sequence at depth 8,192 decoded 1.10x as
-// fast over a 4-bit cache, level with or faster than over a plain one (docs/benchmarks.md, "A
-// quantized row's dims in a row").
+// 4-bit cache is 671 instructions where it was 986, and one sequence at depth 8,192 decodes 1.02-1.03x
+// as fast over a 4-bit cache as over a plain one (docs/benchmarks.md, "A quantized row's dims in a
+// row", "4-bit pairs in place").
 template <int HEAD_DIM, int BITS, typename KS>
 struct QuantizedTensorRows {
   static_assert(sizeof(KS) == 2 && (BITS == 4 || BITS == 8), "float16 scales and biases, 4- or 8-bit codes");
@@ -608,8 +610,10 @@ struct QuantizedTensorRows {
   }
 
   // Pair m of a part is its dims 2m and 2m + 1 at 8 bits (bytes 2m and 2m + 1 of its codes); at 4,
-  // dims m and m + 4, nibbles m and m + 4 of its word, which a shift and one LOP3 take out where
-  // neighbours took 8 instructions (two nibbles of one byte).
+  // dims m and m + 4, nibbles m and m + 4 of its word: one LOP3 takes them out of the word (pairs 0
+  // and 1) or of the word shifted by a byte (2 and 3), an odd pair's in place, a nibble up
+  // (nibble_base). Neighbours took 8 instructions (two nibbles of one byte); a shift by 4m before
+  // each pair took two shifts a word more.
   static constexpr int PAIR_SPREAD = BITS == 8 ? 1 : 4;
   __device__ static constexpr int pair_first(int m) {
     return BITS == 8 ? 2 * m : m;
@@ -642,15 +646,16 @@ struct QuantizedTensorRows {
       pair[2] = __byte_perm(in.words[2 * e + 1], 0x64, 0x4140);
       pair[3] = __byte_perm(in.words[2 * e + 1], 0x64, 0x4342);
     } else {
+      const uint32_t low = in.words[e], high = low >> 8;
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        pair[m] = float16_codes(in.words[e] >> 4 * m);
+        pair[m] = masked_or(m < 2 ? low : high, 0x000F000Fu << 4 * (m % 2), nibble_base(m));
       }
     }
-    const __half2 offset = as_half2(0x64006400u);
     uint32_t out[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
+      const __half2 offset = as_half2(BITS == 8 ? 0x64006400u : nibble_base(m));
       out[m] = half2_bits(__hfma2(__hsub2(as_half2(pair[m]), offset), scale, bias));
     }
     return make_uint4(out[0], out[1], out[2], out[3]);
