@@ -201,24 +201,32 @@ __device__ inline void block_share(int total, int& begin, int& count) {
   count = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * total / gridDim.x) - begin;
 }
 
-// A block's share of the rows of a matrix pair (rows [0, ROWS) of `first`, then of `second`), copied
-// into shared memory at `at` in PHASES commit groups of consecutive rows: words [rows][K / 32 * BITS],
-// scales and (BIASES) biases [rows][K / GROUP].
-template <int BITS, bool BIASES, int K, int ROWS, int MAX_ROWS>
-struct CopiedRows {
+// A block's share [begin, begin + count) of `total` rows (block_share) in shared memory at `at`, local
+// row i being row begin + i: words [MAX_ROWS][K / 32 * BITS], scales and (BIASES) biases
+// [MAX_ROWS][K / GROUP].
+template <int BITS, bool BIASES, int K, int MAX_ROWS>
+struct SharedRows {
   static constexpr int words = K / 32 * BITS, groups = K / GROUP;
   uint32_t* w;
   __half* scales;
   __half* biases;
   int begin, count;
 
-  __device__ CopiedRows(float* at, int total) {
+  __device__ SharedRows(float* at, int total) {
     block_share(total, begin, count);
     w = reinterpret_cast<uint32_t*>(at);
     scales = reinterpret_cast<__half*>(w + MAX_ROWS * words);
     biases = scales + MAX_ROWS * groups;
   }
   __host__ __device__ static constexpr int floats() { return MAX_ROWS * (words + groups * (BIASES ? 2 : 1) / 2); }
+};
+
+// SharedRows of a matrix pair (rows [0, ROWS) of `first`, then of `second`), copied in PHASES commit
+// groups of consecutive rows.
+template <int BITS, bool BIASES, int K, int ROWS, int MAX_ROWS>
+struct CopiedRows : SharedRows<BITS, BIASES, K, MAX_ROWS> {
+  using Base = SharedRows<BITS, BIASES, K, MAX_ROWS>;
+  using Base::Base, Base::words, Base::groups, Base::w, Base::scales, Base::biases, Base::begin, Base::count;
 
   // Rows [from, to) of the block's share: their copies issued, then committed as one group.
   __device__ void copy(const Matrix& first, const Matrix& second, int from, int to) {
@@ -310,6 +318,13 @@ __device__ inline void barrier_init(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
 }
 
+// Barriers [0, n) made ready for bulk copies to count on (one thread).
+__device__ inline void init_barriers(uint64_t* bars, int n) {
+  for (int p = 0; p < n; ++p) barrier_init(bars + p);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 __device__ inline void expect_bytes(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
                : "memory");
@@ -333,37 +348,33 @@ __device__ inline void wait_phase(uint64_t* bar, unsigned parity) {
   } while (!done);
 }
 
-// A block's share [begin, end) of the rows of a matrix pair (`first`'s ROWS rows, then `second`'s)
-// in shared memory at `at`: words [rows][K / 32 * BITS], scales and (BIASES) biases [rows][K / GROUP],
-// local row i being row begin + i; copied in phases of PHASE_ROWS rows, each its own mbarrier.
+// SharedRows of a matrix pair (`first`'s ROWS rows, then `second`'s) after the phases' mbarriers at
+// `at`, copied in phases of PHASE_ROWS rows, each its own mbarrier.
 template <int BITS, bool BIASES, int K, int ROWS, int MAX_ROWS, int PHASE_ROWS>
-struct BulkRows {
-  static constexpr int words = K / 32 * BITS, groups = K / GROUP, MAX_PHASES = (MAX_ROWS + PHASE_ROWS - 1) / PHASE_ROWS;
-  uint32_t* w;
-  __half* scales;
-  __half* biases;
+struct BulkRows : SharedRows<BITS, BIASES, K, MAX_ROWS> {
+  using Base = SharedRows<BITS, BIASES, K, MAX_ROWS>;
+  using Base::words, Base::groups, Base::w, Base::scales, Base::biases, Base::begin, Base::count;
+  static constexpr int MAX_PHASES = (MAX_ROWS + PHASE_ROWS - 1) / PHASE_ROWS;
   uint64_t* bars;
-  int begin, count;
 
-  __device__ BulkRows(float* at, int total) {
-    block_share(total, begin, count);
-    bars = reinterpret_cast<uint64_t*>(at);
-    w = reinterpret_cast<uint32_t*>(bars + 2 * MAX_PHASES);
-    scales = reinterpret_cast<__half*>(w + MAX_ROWS * words);
-    biases = scales + MAX_ROWS * groups;
+  // The phases' barriers first, 16 bytes (4 floats) a phase, which keeps the rows 16-byte aligned.
+  __device__ BulkRows(float* at, int total) : Base(at + 4 * MAX_PHASES, total), bars(reinterpret_cast<uint64_t*>(at)) {}
+  __host__ __device__ static constexpr int floats() { return 4 * MAX_PHASES + Base::floats(); }
+
+  __device__ int phases() const {
+    return (count + PHASE_ROWS - 1) / PHASE_ROWS;
   }
-  __host__ __device__ static constexpr int floats() {
-    return 4 * MAX_PHASES + MAX_ROWS * (words + groups * (BIASES ? 2 : 1) / 2);
+
+  // Every phase's rows in (to time the copies alone).
+  __device__ void wait_all() const {
+    for (int p = 0; p < phases(); ++p) wait_phase(bars + p, 0);
   }
 
   // Thread 0 of the block: every phase's copies issued (the others wait for the barriers' init).
   __device__ void copy(const Matrix& first, const Matrix& second) {
     if (threadIdx.x == 0) {
-      const int phases = (count + PHASE_ROWS - 1) / PHASE_ROWS;
-      for (int p = 0; p < phases; ++p) barrier_init(bars + p);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      for (int p = 0; p < phases; ++p) {
+      init_barriers(bars, phases());
+      for (int p = 0; p < phases(); ++p) {
         const int from = p * PHASE_ROWS, to = min(count, from + PHASE_ROWS);
         expect_bytes(bars + p, (to - from) * (words * 4 + groups * 2 * (BIASES ? 2 : 1)));
         for (int a = from; a < to;) {
@@ -469,9 +480,7 @@ struct TileRows {
     constexpr unsigned row_bytes = words * 4 + groups * 2 * (BIASES ? 2 : 1);
     if (threadIdx.x < 32) {
       if (lane == 0) {
-        for (int p = 0; p < tiles; ++p) barrier_init(bars + p);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        init_barriers(bars, tiles);
         for (int p = 0; p < tiles; ++p) expect_bytes(bars + p, min(16, count - 16 * p) * row_bytes);
       }
       __syncwarp();
@@ -562,8 +571,7 @@ __global__ void gate_up_bulk(const float* x, const __half* norm, Matrix gate_w, 
   BulkRows<4, true, HIDDEN, FFN, BULK_GATE_UP_ROWS, PHASE_ROWS> rows(smem + 2560, 2 * FFN);
   rows.copy(gate_w, up_w);
   if (!COMPUTE) {
-    const int phases = (rows.count + PHASE_ROWS - 1) / PHASE_ROWS;
-    for (int p = 0; p < phases; ++p) wait_phase(rows.bars + p, 0);
+    rows.wait_all();
     if (threadIdx.x == 0 && rows.w[threadIdx.x] == 0x12345678u) gate[0] = 1.0f;
     return;
   }
@@ -578,8 +586,7 @@ __global__ void down_bulk(const float* gate, const float* up, Matrix down_w, flo
   BulkRows<8, false, FFN, HIDDEN, BULK_DOWN_ROWS, PHASE_ROWS> rows(smem + 6656, HIDDEN);
   rows.copy(down_w, down_w);
   if (!COMPUTE) {
-    const int phases = (rows.count + PHASE_ROWS - 1) / PHASE_ROWS;
-    for (int p = 0; p < phases; ++p) wait_phase(rows.bars + p, 0);
+    rows.wait_all();
     if (threadIdx.x == 0 && rows.w[threadIdx.x] == 0x12345678u) y[0] = 1.0f;
     return;
   }
@@ -587,7 +594,7 @@ __global__ void down_bulk(const float* gate, const float* up, Matrix down_w, flo
   rows.template products<1>(smem, [&](int row, float v) { y[row] = v; });
 }
 
-enum Variant { SHIPPED, SHIPPED_PRESCALED, UNITS, LOADS, COPIED };
+enum Variant { SHIPPED, UNITS, LOADS, COPIED };
 
 // Step 4: RMSNorm(x) staged, then gate and up (4-bit, stored biases).
 template <Variant V, int R, int G, bool PREFETCH, Codes C, bool EARLY = false, Scales S = SEPARATE>
@@ -598,8 +605,7 @@ __global__ void gate_up(const float* x, const __half* norm, Matrix gate_w, Matri
     if (C == PRESCALED) prescale_staged<HIDDEN, LAYER_THREADS>(smem);
   };
   if (V != UNITS) stage();
-  if (V == SHIPPED || V == SHIPPED_PRESCALED) {
-    if (V == SHIPPED_PRESCALED) prescale_staged<HIDDEN, LAYER_THREADS>(smem);
+  if (V == SHIPPED) {
     constexpr int ffn_items = (FFN + SHIPPED_FFN_ROWS - 1) / SHIPPED_FFN_ROWS;
     for (int item = grid_warp(); item < 2 * ffn_items; item += grid_warps()) {
       const bool is_up = item >= ffn_items;
@@ -608,7 +614,7 @@ __global__ void gate_up(const float* x, const __half* norm, Matrix gate_w, Matri
       rows_from<SHIPPED_FFN_ROWS>(first, FFN, rows);
       float out[SHIPPED_FFN_ROWS];
       const Matrix& m = is_up ? up_w : gate_w;
-      rows_dot<4, true, HIDDEN, SHIPPED_FFN_ROWS, V == SHIPPED_PRESCALED>(m.w, m.scales, m.biases, rows, smem, out);
+      rows_dot<4, true, HIDDEN, SHIPPED_FFN_ROWS, C == PRESCALED>(m.w, m.scales, m.biases, rows, smem, out);
       if (threadIdx.x % 32 == 0) {
         for (int r = 0; r < SHIPPED_FFN_ROWS; ++r) {
           if (first + r < FFN) (is_up ? up : gate)[first + r] = out[r];
@@ -886,7 +892,7 @@ int main() {
          2.0 * FFN * HIDDEN * (4 / 8.0 + 4.0 / GROUP) / 1e6, 1.0 * FFN * HIDDEN * (8 / 8.0 + 2.0 / GROUP) / 1e6);
   for (int round = 0; round < 2; ++round) {
     report_gate_up("shipped (items of 4 rows)", gate_up<SHIPPED, 4, 2, false, FIELD>);
-    report_gate_up("shipped, prescaled codes", gate_up<SHIPPED_PRESCALED, 4, 2, false, FIELD>);
+    report_gate_up("shipped, prescaled codes", gate_up<SHIPPED, 4, 2, false, PRESCALED>);
     report_gate_up("empty kernel", empty);
     report_gate_up("staging only (no products)", staging_only);
     report_gate_up("words streamed, no staging", stream_only);
